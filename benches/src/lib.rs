@@ -1,0 +1,1 @@
+//! ember-benches (placeholder, being written).

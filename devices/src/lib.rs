@@ -1,0 +1,17 @@
+//! ember's device model.
+//!
+//! Only what a sandbox needs exists here: a 8250 serial port, enough of an i8042 to let the guest
+//! reboot, the boot-marker port, and virtio devices on the virtio-mmio transport. Devices never
+//! depend on the `vmm` crate: the VMM registers them on a [`bus::Bus`] and wires their interrupts
+//! (irqfd) and queue notifications (ioeventfd) to KVM.
+//!
+//! Every byte a guest hands a device is untrusted: register accesses of the wrong size or offset
+//! are ignored, descriptor chains are validated before use, and errors are reported per request
+//! instead of panicking.
+
+pub mod bus;
+pub mod legacy;
+pub mod virtio;
+
+/// Guest memory as every device sees it.
+pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<()>;

@@ -1,0 +1,17 @@
+//! ember's virtual machine monitor.
+//!
+//! One VM per process: [`vm::Vm::build`] sets up KVM, guest memory, the kernel, devices and
+//! vCPUs; [`vm::Vm::run`] starts the vCPU threads and runs the epoll event loop on the calling
+//! thread until the guest resets or fails. The `ember-vmm` binary is a thin CLI over this; an
+//! orchestrator can embed the same types.
+
+pub mod boot;
+pub mod cpu;
+pub mod device_manager;
+pub mod memory;
+pub mod report;
+pub mod vcpu;
+pub mod vm;
+
+pub use cpu::{CpuProfile, HostKvm};
+pub use vm::{Vm, VmConfig, VmError, VmExit};

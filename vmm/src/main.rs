@@ -1,0 +1,221 @@
+//! `ember-vmm`: one VM, one process. Configured by arguments or a JSON file; exits when the
+//! guest resets (status 0) or fails (non-zero, with the reason on stderr and in the report).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use ember_devices::virtio::block::{BlockConfig, BlockMode};
+use ember_vmm::report::{Reporter, StartTime};
+use ember_vmm::{CpuProfile, Vm, VmConfig};
+
+/// Boots one microVM in this process.
+#[derive(Debug, Parser)]
+#[command(name = "ember-vmm", version, about, long_about = None)]
+struct Args {
+    /// JSON VM configuration (see `VmConfig`); command-line flags override its fields.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Kernel image: ELF vmlinux or bzImage.
+    #[arg(long)]
+    kernel: Option<PathBuf>,
+    /// A disk: `PATH` or `path=PATH[,mode=ro|rw][,id=SERIAL]`. The first is the root device.
+    #[arg(long = "disk", value_parser = parse_disk)]
+    disks: Vec<BlockConfig>,
+    /// Do not pass `root=/dev/vda` for the first disk.
+    #[arg(long)]
+    no_root: bool,
+    /// Guest memory in MiB.
+    #[arg(long)]
+    mem_mib: Option<u64>,
+    /// Number of vCPUs.
+    #[arg(long)]
+    vcpus: Option<u8>,
+    /// Replace the base kernel command line.
+    #[arg(long)]
+    cmdline: Option<String>,
+    /// Append to the kernel command line (repeatable).
+    #[arg(long = "cmdline-append")]
+    cmdline_append: Vec<String>,
+    /// CPU profile: host, pvm or baseline (default: detected from the host's KVM).
+    #[arg(long)]
+    cpu_profile: Option<CpuProfile>,
+    /// Where guest console output goes: `stdout`, `none` or `file:PATH`.
+    #[arg(long, default_value = "stdout")]
+    serial: String,
+    /// Write JSON-lines events (boot marker, exit) to this file.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Print the effective configuration and kernel command line, then exit.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+fn parse_disk(s: &str) -> Result<BlockConfig, String> {
+    let mut path = None;
+    let mut mode = BlockMode::ReadWrite;
+    let mut id = String::new();
+    if !s.contains('=') {
+        path = Some(PathBuf::from(s));
+    } else {
+        for kv in s.split(',') {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| format!("disk option {kv:?} is not key=value"))?;
+            match k {
+                "path" => path = Some(PathBuf::from(v)),
+                "mode" => {
+                    mode = match v {
+                        "ro" => BlockMode::ReadOnly,
+                        "rw" => BlockMode::ReadWrite,
+                        other => return Err(format!("disk mode {other:?}: expected ro or rw")),
+                    }
+                }
+                "id" => id = v.to_string(),
+                other => return Err(format!("unknown disk option {other:?}")),
+            }
+        }
+    }
+    let path = path.ok_or("disk needs path=...")?;
+    if id.len() > 20 {
+        return Err(format!("disk id {id:?} is longer than 20 bytes"));
+    }
+    Ok(BlockConfig { path, mode, id })
+}
+
+fn serial_out(spec: &str) -> Result<ember_devices::legacy::SerialOut, String> {
+    match spec {
+        "stdout" => Ok(Box::new(std::io::LineWriter::new(std::io::stdout()))),
+        "none" => Ok(Box::new(std::io::sink())),
+        s => match s.strip_prefix("file:") {
+            Some(p) => std::fs::File::create(p)
+                .map(|f| Box::new(f) as ember_devices::legacy::SerialOut)
+                .map_err(|e| format!("cannot create serial output file {p}: {e}")),
+            None => Err(format!("--serial {s:?}: expected stdout, none or file:PATH")),
+        },
+    }
+}
+
+fn config(args: &Args) -> Result<VmConfig, String> {
+    let mut c = match &args.config {
+        Some(p) => {
+            let s = std::fs::read_to_string(p)
+                .map_err(|e| format!("cannot read config {}: {e}", p.display()))?;
+            serde_json::from_str::<VmConfig>(&s)
+                .map_err(|e| format!("config {}: {e}", p.display()))?
+        }
+        None => {
+            let kernel = args
+                .kernel
+                .clone()
+                .ok_or("no kernel given: pass --kernel PATH or --config FILE")?;
+            VmConfig::new(kernel)
+        }
+    };
+    if let Some(k) = &args.kernel {
+        c.kernel = k.clone();
+    }
+    if !args.disks.is_empty() {
+        c.disks = args.disks.clone();
+    }
+    if args.no_root {
+        c.root = false;
+    }
+    if let Some(m) = args.mem_mib {
+        c.mem_mib = m;
+    }
+    if let Some(v) = args.vcpus {
+        c.vcpus = v;
+    }
+    if let Some(cl) = &args.cmdline {
+        c.cmdline = Some(cl.clone());
+    }
+    c.cmdline_extra.extend(args.cmdline_append.iter().cloned());
+    if let Some(p) = args.cpu_profile {
+        c.cpu_profile = Some(p);
+    }
+    Ok(c)
+}
+
+fn main() -> ExitCode {
+    let start = StartTime::now();
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("EMBER_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let fail = |msg: String| {
+        eprintln!("ember-vmm: error: {msg}");
+        ExitCode::from(1)
+    };
+    let cfg = match config(&args) {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    let reporter = match &args.report {
+        Some(p) => match Reporter::to_file(p) {
+            Ok(r) => r,
+            Err(e) => return fail(format!("cannot create report {}: {e}", p.display())),
+        },
+        None => Reporter::default(),
+    };
+    reporter.event("start", serde_json::json!({ "mono_ns": start.mono_ns, "pid": std::process::id() }));
+    let out = match serial_out(&args.serial) {
+        Ok(o) => o,
+        Err(e) => return fail(e),
+    };
+    let vm = match Vm::build(&cfg, out, reporter.clone(), start) {
+        Ok(vm) => vm,
+        Err(e) => {
+            reporter.event("error", serde_json::json!({ "message": e.to_string() }));
+            return fail(e.to_string());
+        }
+    };
+    reporter.event(
+        "built",
+        serde_json::json!({
+            "ms_since_start": start.instant.elapsed().as_secs_f64() * 1e3,
+            "cmdline": vm.cmdline,
+            "cpu_profile": vm.profile,
+            "host_kvm": vm.host,
+        }),
+    );
+    if args.dry_run {
+        println!(
+            "{}",
+            serde_json::json!({ "config": cfg, "cmdline": vm.cmdline, "cpu_profile": vm.profile })
+        );
+        return ExitCode::SUCCESS;
+    }
+    match vm.run() {
+        Ok(exit) => {
+            let code = exit.exit_code();
+            let _ = std::io::stdout().flush();
+            if code != 0 {
+                eprintln!("ember-vmm: {exit}");
+            }
+            ExitCode::from(code as u8)
+        }
+        Err(e) => fail(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn disk_specs() {
+        let d = parse_disk("/img").unwrap();
+        assert_eq!((d.path, d.mode), (PathBuf::from("/img"), BlockMode::ReadWrite));
+        let d = parse_disk("path=/a,mode=ro,id=root").unwrap();
+        assert_eq!((d.mode, d.id.as_str()), (BlockMode::ReadOnly, "root"));
+        assert!(parse_disk("path=/a,mode=rx").unwrap_err().contains("expected ro or rw"));
+        assert!(parse_disk("mode=ro").unwrap_err().contains("path"));
+        assert!(parse_disk("path=/a,colour=red").unwrap_err().contains("colour"));
+    }
+}

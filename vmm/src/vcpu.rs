@@ -1,0 +1,292 @@
+//! vCPU threads: each runs `KVM_RUN` in a loop and dispatches port-I/O and MMIO exits to the
+//! buses. Anything that ends the VM (reset, internal error, failed entry) is reported to the
+//! event loop through a channel plus an eventfd.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use ember_devices::bus::Bus;
+use kvm_bindings::kvm_run;
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
+
+use crate::cpu::CpuProfile;
+
+/// Why a vCPU stopped running the guest.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "reason", rename_all = "snake_case")]
+pub enum VcpuExitReason {
+    /// The guest reset the machine (triple fault or a KVM system-event reset).
+    Reset {
+        /// The vCPU that saw it.
+        vcpu: u8,
+    },
+    /// The guest powered off (KVM system event).
+    PowerOff {
+        /// The vCPU that saw it.
+        vcpu: u8,
+    },
+    /// KVM could not run a guest instruction (on kvm_pvm: an instruction its emulator lacks).
+    InternalError {
+        /// The vCPU.
+        vcpu: u8,
+        /// Guest instruction pointer at the failure.
+        rip: u64,
+        /// KVM's sub-error code.
+        suberror: u32,
+        /// The CPU profile the guest ran with.
+        cpu_profile: CpuProfile,
+    },
+    /// The hardware refused to enter the guest.
+    FailEntry {
+        /// The vCPU.
+        vcpu: u8,
+        /// Hardware reason code.
+        hardware_reason: u64,
+    },
+    /// Something else went wrong running the vCPU.
+    Error {
+        /// The vCPU.
+        vcpu: u8,
+        /// What happened.
+        message: String,
+    },
+}
+
+impl std::fmt::Display for VcpuExitReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Reset { .. } => write!(f, "guest reset"),
+            Self::PowerOff { .. } => write!(f, "guest powered off"),
+            Self::InternalError {
+                vcpu,
+                rip,
+                suberror,
+                cpu_profile,
+            } => write!(
+                f,
+                "KVM_EXIT_INTERNAL_ERROR on vCPU {vcpu} at guest rip {rip:#x} (suberror \
+                 {suberror}) with CPU profile '{cpu_profile}': the host's KVM cannot run an \
+                 instruction the guest used; map the rip with `addr2line -e vmlinux {rip:#x}` \
+                 and hide that CPU feature (try --cpu-profile pvm on kvm_pvm hosts)"
+            ),
+            Self::FailEntry {
+                vcpu,
+                hardware_reason,
+            } => write!(
+                f,
+                "KVM could not enter the guest on vCPU {vcpu} (hardware reason {hardware_reason:#x})"
+            ),
+            Self::Error { vcpu, message } => write!(f, "vCPU {vcpu}: {message}"),
+        }
+    }
+}
+
+/// Shared stop flag plus the means to kick a vCPU thread out of `KVM_RUN`.
+#[derive(Debug, Default)]
+pub struct VcpuControl {
+    stop: AtomicBool,
+}
+
+thread_local! {
+    /// This thread's `kvm_run` page, for the kick signal handler.
+    static KVM_RUN_PTR: Cell<*mut kvm_run> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    let run = KVM_RUN_PTR.with(|p| p.get());
+    if !run.is_null() {
+        // SAFETY: the pointer is this thread's own mmap'ed `kvm_run`, which stays mapped while
+        // the vCPU thread runs (it is cleared before the VcpuFd is dropped). Writing a u8
+        // field is async-signal-safe; KVM reads it on the next KVM_RUN.
+        unsafe { (*run).immediate_exit = 1 };
+    }
+}
+
+/// The signal used to kick vCPUs.
+pub fn kick_signal() -> libc::c_int {
+    SIGRTMIN()
+}
+
+/// Installs the kick handler (once per process).
+pub fn install_kick_handler() -> Result<(), vmm_sys_util::errno::Error> {
+    register_signal_handler(kick_signal(), kick_handler)
+}
+
+/// A running vCPU thread.
+#[derive(Debug)]
+pub struct VcpuHandle {
+    /// The thread.
+    pub thread: JoinHandle<()>,
+    control: Arc<VcpuControl>,
+}
+
+impl VcpuHandle {
+    /// Asks the vCPU to stop and kicks it out of `KVM_RUN`.
+    pub fn stop(&self) {
+        self.control.stop.store(true, Ordering::SeqCst);
+        use std::os::unix::thread::JoinHandleExt;
+        // SAFETY: the pthread id belongs to a thread we spawned and have not joined, and the
+        // kick signal has a handler installed, so delivering it cannot kill the process.
+        unsafe { libc::pthread_kill(self.thread.as_pthread_t(), kick_signal()) };
+    }
+}
+
+/// Everything a vCPU thread needs.
+pub struct Vcpu {
+    /// vCPU index (and APIC id).
+    pub id: u8,
+    /// The KVM vCPU.
+    pub fd: VcpuFd,
+    /// Port-I/O bus.
+    pub pio: Arc<Bus>,
+    /// MMIO bus.
+    pub mmio: Arc<Bus>,
+    /// The profile in force (for error messages).
+    pub profile: CpuProfile,
+}
+
+impl std::fmt::Debug for Vcpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vcpu").field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
+impl Vcpu {
+    /// Starts the vCPU on its own thread; its exit reason goes to `exits`, then `exit_evt` is
+    /// written so the event loop wakes up.
+    pub fn start(
+        self,
+        exits: Sender<VcpuExitReason>,
+        exit_evt: EventFd,
+    ) -> std::io::Result<VcpuHandle> {
+        let control = Arc::new(VcpuControl::default());
+        let c2 = control.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{}", self.id))
+            .spawn(move || {
+                let reason = self.run_loop(&c2);
+                if let Some(r) = reason {
+                    let _ = exits.send(r);
+                    let _ = exit_evt.write(1);
+                }
+            })?;
+        Ok(VcpuHandle { thread, control })
+    }
+
+    fn run_loop(mut self, control: &VcpuControl) -> Option<VcpuExitReason> {
+        let run_ptr: *mut kvm_run = self.fd.get_kvm_run();
+        KVM_RUN_PTR.with(|p| p.set(run_ptr));
+        let reason = loop {
+            if control.stop.load(Ordering::SeqCst) {
+                break None;
+            }
+            if let Some(r) = self.run_once() {
+                break Some(r);
+            }
+        };
+        KVM_RUN_PTR.with(|p| p.set(std::ptr::null_mut()));
+        reason
+    }
+
+    /// One `KVM_RUN`; `Some` when the vCPU must stop.
+    fn run_once(&mut self) -> Option<VcpuExitReason> {
+        let id = self.id;
+        match self.fd.run() {
+            Ok(exit) => match exit {
+                VcpuExit::IoIn(port, data) => {
+                    if !self.pio.read(u64::from(port), data) {
+                        data.fill(0xff);
+                    }
+                    None
+                }
+                VcpuExit::IoOut(port, data) => {
+                    self.pio.write(u64::from(port), data);
+                    None
+                }
+                VcpuExit::MmioRead(addr, data) => {
+                    if !self.mmio.read(addr, data) {
+                        data.fill(0xff);
+                    }
+                    None
+                }
+                VcpuExit::MmioWrite(addr, data) => {
+                    self.mmio.write(addr, data);
+                    None
+                }
+                VcpuExit::Hlt => {
+                    // Only reached without an in-kernel LAPIC; ours always has one.
+                    Some(VcpuExitReason::Error {
+                        vcpu: id,
+                        message: "guest halted with HLT exits enabled".into(),
+                    })
+                }
+                VcpuExit::Shutdown => Some(VcpuExitReason::Reset { vcpu: id }),
+                VcpuExit::SystemEvent(kind, _) => match kind {
+                    kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => {
+                        Some(VcpuExitReason::PowerOff { vcpu: id })
+                    }
+                    kvm_bindings::KVM_SYSTEM_EVENT_RESET => Some(VcpuExitReason::Reset { vcpu: id }),
+                    other => Some(VcpuExitReason::Error {
+                        vcpu: id,
+                        message: format!("unexpected KVM system event {other}"),
+                    }),
+                },
+                VcpuExit::InternalError => {
+                    let run = self.fd.get_kvm_run();
+                    // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, so KVM filled the
+                    // `internal` member of the exit union.
+                    let suberror = unsafe { run.__bindgen_anon_1.internal.suberror };
+                    let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
+                    Some(VcpuExitReason::InternalError {
+                        vcpu: id,
+                        rip,
+                        suberror,
+                        cpu_profile: self.profile,
+                    })
+                }
+                VcpuExit::FailEntry(hardware_reason, _) => Some(VcpuExitReason::FailEntry {
+                    vcpu: id,
+                    hardware_reason,
+                }),
+                VcpuExit::Intr | VcpuExit::IrqWindowOpen => None,
+                other => Some(VcpuExitReason::Error {
+                    vcpu: id,
+                    message: format!("unhandled KVM exit {other:?}"),
+                }),
+            },
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                self.fd.set_kvm_immediate_exit(0);
+                None
+            }
+            Err(e) => Some(VcpuExitReason::Error {
+                vcpu: id,
+                message: format!("KVM_RUN failed: {e}"),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn internal_error_message_names_rip_and_profile() {
+        let r = VcpuExitReason::InternalError {
+            vcpu: 0,
+            rip: 0xffff_ffff_8100_0000,
+            suberror: 1,
+            cpu_profile: CpuProfile::Host,
+        };
+        let s = r.to_string();
+        assert!(s.contains("0xffffffff81000000"), "{s}");
+        assert!(s.contains("'host'"), "{s}");
+        let j = serde_json::to_value(&r).unwrap();
+        assert_eq!(j["reason"], "internal_error");
+    }
+}
