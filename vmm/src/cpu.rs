@@ -12,6 +12,7 @@
 //! | SMAP | 7.0:EBX[20] | `clac` in interrupt entry | `clearcpuid=308` |
 //! | ERMS | 7.0:EBX[9] | `rep movsb/stosb` emulated per byte (speed) | `clearcpuid=297` |
 //! | FSRM | 7.0:EDX[4] | `rep movsb` (speed) | `clearcpuid=580` |
+//! | CX16 | 1:ECX[13] | `lock cmpxchg16b` in SLUB's `___slab_alloc` | CPUID (this bit follows the VMM) |
 //!
 //! Every profile hides the KVM paravirtual features whose guest side issues hypercalls
 //! (`vmcall`/`vmmcall` spin forever on kvm_pvm): PV_UNHALT, PV_SEND_IPI, PV_SCHED_YIELD,
@@ -89,6 +90,7 @@ impl HostKvm {
 
 // Leaf 1 ECX.
 const ECX_FMA: u32 = 1 << 12;
+const ECX_CX16: u32 = 1 << 13;
 const ECX_PCID: u32 = 1 << 17;
 const ECX_POPCNT: u32 = 1 << 23;
 const ECX_TSC_DEADLINE: u32 = 1 << 24;
@@ -143,7 +145,7 @@ impl CpuProfile {
                         CpuProfile::Host => {}
                         CpuProfile::Pvm => {
                             e.ecx &= !(ECX_POPCNT | ECX_XSAVE | ECX_OSXSAVE | ECX_AVX | ECX_F16C
-                                | ECX_FMA);
+                                | ECX_FMA | ECX_CX16);
                         }
                         CpuProfile::Baseline => {
                             e.ecx &= !(ECX_XSAVE | ECX_OSXSAVE | ECX_AVX | ECX_F16C | ECX_FMA
@@ -269,7 +271,7 @@ mod tests {
         let mut c = table();
         CpuProfile::Pvm.apply(&mut c, 0, 1);
         let l1 = find(&c, 1, 0);
-        assert_eq!(l1.ecx & (ECX_POPCNT | ECX_XSAVE | ECX_OSXSAVE | ECX_AVX), 0);
+        assert_eq!(l1.ecx & (ECX_POPCNT | ECX_XSAVE | ECX_OSXSAVE | ECX_AVX | ECX_CX16), 0);
         assert_ne!(l1.ecx & ECX_HYPERVISOR, 0);
         let l7 = find(&c, 7, 0);
         assert_eq!(l7.ebx & (EBX7_SMAP | EBX7_ERMS), 0);

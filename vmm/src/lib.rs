@@ -8,6 +8,7 @@
 pub mod boot;
 pub mod cpu;
 pub mod device_manager;
+pub mod launcher;
 pub mod memory;
 pub mod report;
 pub mod vcpu;

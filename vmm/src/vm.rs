@@ -6,7 +6,9 @@ use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex};
 
 use ember_devices::legacy::{BootMarker, SerialOut};
-use ember_devices::virtio::block::{Block, BlockConfig, BlockError, BlockMode};
+use ember_devices::virtio::block::{Block, BlockError};
+pub use ember_devices::virtio::block::{BlockConfig as DiskConfig, BlockMode as DiskMode};
+use ember_devices::virtio::block::{BlockConfig, BlockMode};
 use event_manager::{EventOps, Events, MutEventSubscriber, SubscriberOps};
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Cap, Kvm, VmFd};
