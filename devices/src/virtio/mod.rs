@@ -2,6 +2,8 @@
 
 pub mod block;
 pub mod mmio;
+pub mod net;
+pub mod vsock;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -126,6 +128,77 @@ pub trait VirtioDevice: Send {
     fn is_activated(&self) -> bool;
 }
 
+/// A virtqueue's state as stored in a snapshot. It comes from a file, so it is untrusted:
+/// [`QueueSnapshot::to_queue`] validates it the way the transport validates a driver's set-up.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QueueSnapshot {
+    /// Largest size the device allows.
+    pub max_size: u16,
+    /// Size the driver chose.
+    pub size: u16,
+    /// QueueReady.
+    pub ready: bool,
+    /// Descriptor table address.
+    pub desc_table: u64,
+    /// Available (driver) ring address.
+    pub avail_ring: u64,
+    /// Used (device) ring address.
+    pub used_ring: u64,
+    /// Next available-ring index the device will read.
+    pub next_avail: u16,
+    /// Next used-ring index the device will write.
+    pub next_used: u16,
+    /// VIRTIO_F_EVENT_IDX negotiated.
+    pub event_idx_enabled: bool,
+}
+
+impl From<&Queue> for QueueSnapshot {
+    fn from(q: &Queue) -> Self {
+        use virtio_queue::QueueT;
+        let s = q.state();
+        Self {
+            max_size: s.max_size,
+            size: s.size,
+            ready: s.ready,
+            desc_table: s.desc_table,
+            avail_ring: s.avail_ring,
+            used_ring: s.used_ring,
+            next_avail: s.next_avail,
+            next_used: s.next_used,
+            event_idx_enabled: s.event_idx_enabled,
+        }
+    }
+}
+
+impl QueueSnapshot {
+    /// Rebuilds the queue; refuses sizes the device does not allow and, when `mem` is given,
+    /// rings outside guest memory.
+    pub fn to_queue(&self, mem: Option<&GuestMemoryMmap>) -> Result<Queue, ActivateError> {
+        use virtio_queue::QueueT;
+        let state = virtio_queue::QueueState {
+            max_size: self.max_size,
+            next_avail: self.next_avail,
+            next_used: self.next_used,
+            event_idx_enabled: self.event_idx_enabled,
+            size: self.size,
+            ready: self.ready,
+            desc_table: self.desc_table,
+            avail_ring: self.avail_ring,
+            used_ring: self.used_ring,
+        };
+        let q = Queue::try_from(state)
+            .map_err(|e| ActivateError::Backend(format!("queue state from snapshot: {e}")))?;
+        if let Some(mem) = mem {
+            if q.ready() && !q.is_valid(mem) {
+                return Err(ActivateError::Backend(
+                    "queue rings from snapshot lie outside guest memory".into(),
+                ));
+            }
+        }
+        Ok(q)
+    }
+}
+
 /// Copies `src` into `dst` at `offset` of a config space, clipping at both ends.
 pub fn read_config_bytes(space: &[u8], offset: u64, data: &mut [u8]) {
     let Ok(off) = usize::try_from(offset) else {
@@ -154,6 +227,27 @@ mod tests {
         assert_eq!(i.status(), interrupt_cause::CONFIG);
         i.clear();
         assert_eq!(i.status(), 0);
+    }
+
+    #[test]
+    fn queue_snapshot_round_trip_and_validation() {
+        use virtio_queue::QueueT;
+        let mem = GuestMemoryMmap::from_ranges(&[(vm_memory::GuestAddress(0), 0x10000)]).unwrap();
+        let mut q = Queue::new(16).unwrap();
+        q.set_size(8);
+        q.set_desc_table_address(Some(0x1000), Some(0));
+        q.set_avail_ring_address(Some(0x2000), Some(0));
+        q.set_used_ring_address(Some(0x3000), Some(0));
+        q.set_ready(true);
+        let s = QueueSnapshot::from(&q);
+        let back = s.to_queue(Some(&mem)).unwrap();
+        assert_eq!(QueueSnapshot::from(&back), s);
+        let mut bad = s;
+        bad.used_ring = 0xffff_0000;
+        assert!(bad.to_queue(Some(&mem)).is_err());
+        let mut bad = s;
+        bad.size = 7;
+        assert!(bad.to_queue(None).is_err());
     }
 
     #[test]
