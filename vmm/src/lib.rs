@@ -12,6 +12,7 @@ pub mod launcher;
 pub mod memory;
 pub mod report;
 pub mod vcpu;
+pub mod vstate;
 pub mod vm;
 
 pub use cpu::{CpuProfile, HostKvm};

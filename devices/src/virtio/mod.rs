@@ -154,7 +154,6 @@ pub struct QueueSnapshot {
 
 impl From<&Queue> for QueueSnapshot {
     fn from(q: &Queue) -> Self {
-        use virtio_queue::QueueT;
         let s = q.state();
         Self {
             max_size: s.max_size,
