@@ -5,6 +5,7 @@
 //! thread until the guest resets or fails. The `ember-vmm` binary is a thin CLI over this; an
 //! orchestrator can embed the same types.
 
+pub mod api;
 pub mod boot;
 pub mod cpu;
 pub mod device_manager;

@@ -5,8 +5,9 @@
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use ember_devices::bus::Bus;
 use kvm_bindings::kvm_run;
@@ -15,6 +16,7 @@ use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 use crate::cpu::CpuProfile;
+use crate::vstate::{save_vcpu, StateCaps, VcpuState};
 
 /// Why a vCPU stopped running the guest.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -86,10 +88,19 @@ impl std::fmt::Display for VcpuExitReason {
     }
 }
 
-/// Shared stop flag plus the means to kick a vCPU thread out of `KVM_RUN`.
+/// Shared control block between a vCPU thread and the event loop.
 #[derive(Debug, Default)]
 pub struct VcpuControl {
     stop: AtomicBool,
+    pause: AtomicBool,
+    parked: Mutex<Parked>,
+    cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Parked {
+    paused: bool,
+    saved: Option<Result<VcpuState, String>>,
 }
 
 thread_local! {
@@ -125,15 +136,63 @@ pub struct VcpuHandle {
     control: Arc<VcpuControl>,
 }
 
+/// How long a vCPU may take to park before pausing is declared failed.
+const PAUSE_TIMEOUT: Duration = Duration::from_secs(2);
+
 impl VcpuHandle {
-    /// Asks the vCPU to stop and kicks it out of `KVM_RUN`.
-    pub fn stop(&self) {
-        self.control.stop.store(true, Ordering::SeqCst);
+    fn kick(&self) {
         use std::os::unix::thread::JoinHandleExt;
         // SAFETY: the pthread id belongs to a thread we spawned and have not joined, and the
         // kick signal has a handler installed, so delivering it cannot kill the process.
         unsafe { libc::pthread_kill(self.thread.as_pthread_t(), kick_signal()) };
     }
+
+    /// Asks the vCPU to stop and kicks it out of `KVM_RUN`.
+    pub fn stop(&self) {
+        self.control.stop.store(true, Ordering::SeqCst);
+        self.kick();
+        self.control.cv.notify_all();
+    }
+
+    /// Stops the vCPU at an instruction boundary (pending port/MMIO reads completed) and
+    /// returns its saved state. The vCPU stays parked until [`VcpuHandle::resume`].
+    pub fn pause(&self) -> Result<VcpuState, String> {
+        self.control.pause.store(true, Ordering::SeqCst);
+        self.kick();
+        let deadline = Instant::now() + PAUSE_TIMEOUT;
+        let mut parked = lock(&self.control.parked);
+        while !parked.paused {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err("vCPU did not pause within 2 s".into());
+            }
+            // Re-kick now and then: harmless if the first one already landed.
+            let wait = (deadline - now).min(Duration::from_millis(20));
+            parked = self
+                .control
+                .cv
+                .wait_timeout(parked, wait)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            if !parked.paused {
+                self.kick();
+            }
+        }
+        parked
+            .saved
+            .take()
+            .unwrap_or_else(|| Err("vCPU state was already taken".into()))
+    }
+
+    /// Lets a paused vCPU run again.
+    pub fn resume(&self) {
+        self.control.pause.store(false, Ordering::SeqCst);
+        self.control.cv.notify_all();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Everything a vCPU thread needs.
@@ -148,6 +207,12 @@ pub struct Vcpu {
     pub mmio: Arc<Bus>,
     /// The profile in force (for error messages).
     pub profile: CpuProfile,
+    /// The CPUID table the vCPU was given (saved with its state).
+    pub cpuid: kvm_bindings::CpuId,
+    /// MSRs to save, TSC first.
+    pub msr_indices: Arc<Vec<u32>>,
+    /// Optional state KVM supports here.
+    pub caps: StateCaps,
 }
 
 impl std::fmt::Debug for Vcpu {
@@ -185,12 +250,39 @@ impl Vcpu {
             if control.stop.load(Ordering::SeqCst) {
                 break None;
             }
+            if control.pause.load(Ordering::SeqCst) {
+                self.park(control);
+                continue;
+            }
             if let Some(r) = self.run_once() {
                 break Some(r);
             }
         };
         KVM_RUN_PTR.with(|p| p.set(std::ptr::null_mut()));
         reason
+    }
+
+    /// Saves state and waits while paused.
+    fn park(&mut self, control: &VcpuControl) {
+        // A port or MMIO read we just served is only copied into the guest's registers by the
+        // next KVM_RUN: run once with immediate_exit so KVM completes it and returns at once.
+        self.fd.set_kvm_immediate_exit(1);
+        let _ = self.fd.run();
+        self.fd.set_kvm_immediate_exit(0);
+        let saved = save_vcpu(&self.fd, self.id, &self.cpuid, &self.msr_indices, self.caps)
+            .map_err(|e| e.to_string());
+        let mut parked = lock(&control.parked);
+        parked.saved = Some(saved);
+        parked.paused = true;
+        control.cv.notify_all();
+        while control.pause.load(Ordering::SeqCst) && !control.stop.load(Ordering::SeqCst) {
+            parked = control
+                .cv
+                .wait(parked)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        parked.paused = false;
+        parked.saved = None;
     }
 
     /// One `KVM_RUN`; `Some` when the vCPU must stop.

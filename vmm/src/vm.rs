@@ -378,6 +378,8 @@ impl Vm {
             source,
         })?;
         let supported_msrs = msr_list.as_slice().to_vec();
+        let msr_indices = Arc::new(crate::vstate::order_msrs(supported_msrs.clone()));
+        let caps = crate::vstate::StateCaps::probe(&vm_fd);
         let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
         for id in 0..config.vcpus {
             let fd = vm_fd
@@ -402,6 +404,9 @@ impl Vm {
                 pio: pio.clone(),
                 mmio: mmio.clone(),
                 profile,
+                cpuid,
+                msr_indices: msr_indices.clone(),
+                caps,
             });
         }
 
