@@ -60,7 +60,7 @@ impl FromStr for CpuProfile {
 }
 
 /// What kind of KVM this host has.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HostKvm {
     /// kvm_pvm: page-table-based KVM without hardware virtualization.

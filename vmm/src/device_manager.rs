@@ -95,12 +95,21 @@ impl DeviceManager {
         out: ember_devices::legacy::SerialOut,
     ) -> Result<Arc<Mutex<Serial>>, DeviceError> {
         let irq = EventTrigger::new().map_err(DeviceError::EventFd)?;
-        vm.register_irqfd(irq.eventfd(), SERIAL_COM1_IRQ)
+        self.add_serial_device(vm, Serial::new(irq, out))
+    }
+
+    /// Places an already built COM1 (e.g. restored from a snapshot).
+    pub fn add_serial_device(
+        &mut self,
+        vm: &VmFd,
+        serial: Serial,
+    ) -> Result<Arc<Mutex<Serial>>, DeviceError> {
+        vm.register_irqfd(serial.irq().eventfd(), SERIAL_COM1_IRQ)
             .map_err(|source| DeviceError::Kvm {
                 what: "KVM_IRQFD (serial)",
                 source,
             })?;
-        let serial = Arc::new(Mutex::new(Serial::new(irq, out)));
+        let serial = Arc::new(Mutex::new(serial));
         self.pio
             .insert(serial.clone(), SERIAL_COM1_BASE, SERIAL_PORT_LEN)?;
         self.serial = Some(serial.clone());

@@ -12,6 +12,7 @@ pub mod device_manager;
 pub mod launcher;
 pub mod memory;
 pub mod report;
+pub mod snapshot;
 pub mod vcpu;
 pub mod vstate;
 pub mod vm;

@@ -50,6 +50,12 @@ struct Args {
     /// Print the effective configuration and kernel command line, then exit.
     #[arg(long)]
     dry_run: bool,
+    /// Restore the VM saved in this snapshot directory instead of booting a kernel.
+    #[arg(long, conflicts_with_all = ["config", "kernel", "disks", "mem_mib", "vcpus", "cmdline", "cmdline_append"])]
+    restore: Option<PathBuf>,
+    /// Serve the control socket (pause, resume, snapshot, stats, shutdown) at this path.
+    #[arg(long)]
+    api_sock: Option<PathBuf>,
 }
 
 fn parse_disk(s: &str) -> Result<BlockConfig, String> {
@@ -152,10 +158,6 @@ fn main() -> ExitCode {
         eprintln!("ember-vmm: error: {msg}");
         ExitCode::from(1)
     };
-    let cfg = match config(&args) {
-        Ok(c) => c,
-        Err(e) => return fail(e),
-    };
     let reporter = match &args.report {
         Some(p) => match Reporter::to_file(p) {
             Ok(r) => r,
@@ -168,13 +170,29 @@ fn main() -> ExitCode {
         Ok(o) => o,
         Err(e) => return fail(e),
     };
-    let vm = match Vm::build(&cfg, out, reporter.clone(), start) {
+    let built = match &args.restore {
+        Some(dir) => {
+            let opts = ember_vmm::snapshot::RestoreOptions {
+                cpu_profile: args.cpu_profile,
+            };
+            Vm::restore(dir, &opts, out, reporter.clone(), start).map_err(|e| e.to_string())
+        }
+        None => config(&args)
+            .and_then(|cfg| Vm::build(&cfg, out, reporter.clone(), start).map_err(|e| e.to_string())),
+    };
+    let mut vm = match built {
         Ok(vm) => vm,
         Err(e) => {
+            reporter.event("error", serde_json::json!({ "message": e }));
+            return fail(e);
+        }
+    };
+    if let Some(sock) = &args.api_sock {
+        if let Err(e) = vm.serve_api(sock) {
             reporter.event("error", serde_json::json!({ "message": e.to_string() }));
             return fail(e.to_string());
         }
-    };
+    }
     reporter.event(
         "built",
         serde_json::json!({
@@ -182,12 +200,13 @@ fn main() -> ExitCode {
             "cmdline": vm.cmdline,
             "cpu_profile": vm.profile,
             "host_kvm": vm.host,
+            "restored": args.restore.is_some(),
         }),
     );
     if args.dry_run {
         println!(
             "{}",
-            serde_json::json!({ "config": cfg, "cmdline": vm.cmdline, "cpu_profile": vm.profile })
+            serde_json::json!({ "config": vm.config, "cmdline": vm.cmdline, "cpu_profile": vm.profile })
         );
         return ExitCode::SUCCESS;
     }

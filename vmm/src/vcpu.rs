@@ -213,6 +213,8 @@ pub struct Vcpu {
     pub msr_indices: Arc<Vec<u32>>,
     /// Optional state KVM supports here.
     pub caps: StateCaps,
+    /// Where the first `KVM_RUN` is reported.
+    pub reporter: crate::report::Reporter,
 }
 
 impl std::fmt::Debug for Vcpu {
@@ -246,6 +248,10 @@ impl Vcpu {
     fn run_loop(mut self, control: &VcpuControl) -> Option<VcpuExitReason> {
         let run_ptr: *mut kvm_run = self.fd.get_kvm_run();
         KVM_RUN_PTR.with(|p| p.set(run_ptr));
+        self.reporter.event(
+            "vcpu_first_run",
+            serde_json::json!({ "vcpu": self.id, "mono_ns": crate::report::monotonic_ns() }),
+        );
         let reason = loop {
             if control.stop.load(Ordering::SeqCst) {
                 break None;

@@ -16,6 +16,7 @@ use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::api::{AfterSnapshot, ApiQueue, ApiServer, Request};
 use crate::boot::{self, BootError};
 use crate::cpu::{CpuProfile, HostKvm};
 use crate::device_manager::{DeviceError, DeviceManager, EventLoop};
@@ -154,6 +155,10 @@ fn kvm_hint(e: &kvm_ioctls::Error) -> &'static str {
 pub enum VmExit {
     /// The guest rebooted through the i8042 (the normal "I'm done" path for ember guests).
     GuestReset,
+    /// A `shutdown` request on the control socket.
+    Shutdown,
+    /// A snapshot was taken with `after: exit`.
+    SnapshotTaken,
     /// A vCPU stopped; see the reason.
     Vcpu(VcpuExitReason),
 }
@@ -162,7 +167,7 @@ impl VmExit {
     /// The VMM process exit code for this outcome: 0 for a guest reset or power-off.
     pub fn exit_code(&self) -> i32 {
         match self {
-            VmExit::GuestReset => 0,
+            VmExit::GuestReset | VmExit::Shutdown | VmExit::SnapshotTaken => 0,
             VmExit::Vcpu(VcpuExitReason::Reset { .. } | VcpuExitReason::PowerOff { .. }) => 0,
             VmExit::Vcpu(VcpuExitReason::InternalError { .. }) => 3,
             VmExit::Vcpu(_) => 4,
@@ -174,6 +179,8 @@ impl std::fmt::Display for VmExit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             VmExit::GuestReset => write!(f, "guest reset"),
+            VmExit::Shutdown => write!(f, "shut down on request"),
+            VmExit::SnapshotTaken => write!(f, "exited after writing a snapshot"),
             VmExit::Vcpu(r) => write!(f, "{r}"),
         }
     }
@@ -195,10 +202,18 @@ pub struct Vm {
     pub host: HostKvm,
     events: EventLoop,
     vcpus: Vec<Vcpu>,
+    /// Number of vCPUs.
+    pub vcpu_count: u8,
     exit: Arc<Mutex<Option<VmExit>>>,
     exit_tx: std::sync::mpsc::Sender<VcpuExitReason>,
     vcpu_exit_evt: EventFd,
     reporter: Reporter,
+    api: Option<ApiQueue>,
+    started: std::time::Instant,
+    /// The configuration the VM was built from.
+    pub config: VmConfig,
+    /// KVM state capabilities (what a snapshot of this VM holds).
+    pub caps: crate::vstate::StateCaps,
 }
 
 impl std::fmt::Debug for Vm {
@@ -209,6 +224,56 @@ impl std::fmt::Debug for Vm {
             .field("vcpus", &self.vcpus.len())
             .finish_non_exhaustive()
     }
+}
+
+/// The boot-marker callback: logs the first marker and reports every write with its time.
+pub fn marker_sink(reporter: Reporter, start: StartTime) -> ember_devices::legacy::MarkerSink {
+    Box::new(move |e| {
+        let ms = e.at.saturating_duration_since(start.instant).as_secs_f64() * 1e3;
+        if e.first {
+            tracing::info!("boot marker {} after {ms:.1} ms", e.value);
+        }
+        reporter.event(
+            "boot_marker",
+            serde_json::json!({
+                "value": e.value,
+                "first": e.first,
+                "ms_since_start": ms,
+                "mono_ns": start.mono_of(e.at),
+            }),
+        );
+    })
+}
+
+/// The pieces a VM is assembled from, by cold boot or by restore.
+#[allow(missing_debug_implementations)]
+pub struct Parts {
+    /// The KVM VM.
+    pub vm_fd: VmFd,
+    /// Guest memory.
+    pub memory: GuestMemoryMmap,
+    /// Devices.
+    pub devices: DeviceManager,
+    /// Kernel command line.
+    pub cmdline: String,
+    /// CPU profile.
+    pub profile: CpuProfile,
+    /// Host kind.
+    pub host: HostKvm,
+    /// Event loop with the devices registered.
+    pub events: EventLoop,
+    /// vCPUs, ready to run.
+    pub vcpus: Vec<Vcpu>,
+    /// The i8042 reset eventfd.
+    pub reset_evt: EventFd,
+    /// Event reporting.
+    pub reporter: Reporter,
+    /// Process start.
+    pub start: StartTime,
+    /// The configuration.
+    pub config: VmConfig,
+    /// KVM state capabilities.
+    pub caps: crate::vstate::StateCaps,
 }
 
 /// Opens /dev/kvm and checks the capabilities ember uses.
@@ -341,22 +406,7 @@ impl Vm {
         let mut devices = DeviceManager::new();
         devices.add_serial(&vm_fd, serial_out)?;
         let reset_evt = devices.add_i8042()?;
-        let marker_reporter = reporter.clone();
-        devices.add_boot_marker(BootMarker::new(Box::new(move |e| {
-            let ms = e.at.saturating_duration_since(start.instant).as_secs_f64() * 1e3;
-            if e.first {
-                tracing::info!("boot marker {} after {ms:.1} ms", e.value);
-            }
-            marker_reporter.event(
-                "boot_marker",
-                serde_json::json!({
-                    "value": e.value,
-                    "first": e.first,
-                    "ms_since_start": ms,
-                    "mono_ns": start.mono_of(e.at),
-                }),
-            );
-        })))?;
+        devices.add_boot_marker(BootMarker::new(marker_sink(reporter.clone(), start)))?;
         for disk in disks {
             devices.add_virtio(&vm_fd, &mem, &mut events, Arc::new(Mutex::new(disk)))?;
         }
@@ -407,9 +457,44 @@ impl Vm {
                 cpuid,
                 msr_indices: msr_indices.clone(),
                 caps,
+                reporter: reporter.clone(),
             });
         }
 
+        Self::assemble(Parts {
+            vm_fd,
+            memory: mem,
+            devices,
+            cmdline,
+            profile,
+            host,
+            events,
+            vcpus,
+            reset_evt,
+            reporter,
+            start,
+            config: config.clone(),
+            caps,
+        })
+    }
+
+    /// Finishes a VM from its parts: exit plumbing and bookkeeping.
+    pub fn assemble(p: Parts) -> Result<Self, VmError> {
+        let Parts {
+            vm_fd,
+            memory,
+            devices,
+            cmdline,
+            profile,
+            host,
+            mut events,
+            vcpus,
+            reset_evt,
+            reporter,
+            start,
+            config,
+            caps,
+        } = p;
         let (tx, rx) = channel();
         let vcpu_exit_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(|source| VmError::Os {
             what: "eventfd",
@@ -428,18 +513,32 @@ impl Vm {
         events.add_subscriber(Arc::new(Mutex::new(watcher)));
         Ok(Self {
             vm_fd,
-            memory: mem,
+            memory,
             devices,
             cmdline,
             profile,
             host,
             events,
+            vcpu_count: vcpus.len() as u8,
             vcpus,
             exit,
             exit_tx: tx,
             vcpu_exit_evt,
             reporter,
+            api: None,
+            started: start.instant,
+            config,
+            caps,
         })
+    }
+
+    /// Serves the control socket at `path` on the event loop.
+    pub fn serve_api(&mut self, path: &std::path::Path) -> Result<(), crate::api::ApiError> {
+        let queue = ApiQueue::default();
+        let server = ApiServer::bind(path, queue.clone())?;
+        self.events.add_subscriber(Arc::new(Mutex::new(server)));
+        self.api = Some(queue);
+        Ok(())
     }
 
     /// Starts the vCPUs and runs the event loop on this thread until the VM ends.
@@ -463,9 +562,25 @@ impl Vm {
             "vcpus_started",
             serde_json::json!({ "mono_ns": crate::report::monotonic_ns() }),
         );
+        let mut control = Control {
+            paused: None,
+            exit: None,
+        };
         let exit = loop {
             self.events.run().map_err(VmError::EventLoop)?;
             if let Some(e) = self.exit.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                break e;
+            }
+            if let Some(api) = self.api.clone() {
+                while let Some((conn, req)) = api.pop() {
+                    let reply = match req {
+                        Ok(r) => self.handle_request(r, &handles, &mut control),
+                        Err(e) => serde_json::json!({ "ok": false, "error": e }),
+                    };
+                    api.respond(conn, &reply);
+                }
+            }
+            if let Some(e) = control.exit.take() {
                 break e;
             }
         };
@@ -485,6 +600,109 @@ impl Vm {
             }),
         );
         Ok(exit)
+    }
+}
+
+/// Run-time control state of a running VM.
+struct Control {
+    /// vCPU states captured when the VM was paused (None: running).
+    paused: Option<Vec<crate::vstate::VcpuState>>,
+    /// Set when a request ends the VM.
+    exit: Option<VmExit>,
+}
+
+impl Vm {
+    fn handle_request(
+        &mut self,
+        req: Request,
+        handles: &[VcpuHandle],
+        control: &mut Control,
+    ) -> serde_json::Value {
+        use serde_json::json;
+        match req {
+            Request::Pause => match pause_all(handles, control) {
+                Ok(()) => json!({ "ok": true }),
+                Err(e) => json!({ "ok": false, "error": e }),
+            },
+            Request::Resume => {
+                resume_all(handles, control);
+                json!({ "ok": true })
+            }
+            Request::Stats => json!({ "ok": true, "stats": self.stats(control.paused.is_some()) }),
+            Request::Shutdown => {
+                control.exit = Some(VmExit::Shutdown);
+                json!({ "ok": true })
+            }
+            Request::Snapshot { dir, kind, after } => {
+                let was_paused = control.paused.is_some();
+                if let Err(e) = pause_all(handles, control) {
+                    return json!({ "ok": false, "error": e });
+                }
+                let t = std::time::Instant::now();
+                let states = control.paused.as_deref().unwrap_or_default();
+                let result = crate::snapshot::write_snapshot(self, states, &dir, kind);
+                let ms = t.elapsed().as_secs_f64() * 1e3;
+                match after {
+                    AfterSnapshot::Exit if result.is_ok() => {
+                        control.exit = Some(VmExit::SnapshotTaken)
+                    }
+                    AfterSnapshot::Pause => {}
+                    _ if !was_paused => resume_all(handles, control),
+                    _ => {}
+                }
+                match result {
+                    Ok(info) => json!({ "ok": true, "dir": dir, "ms": ms, "info": info }),
+                    Err(e) => json!({ "ok": false, "error": e.to_string() }),
+                }
+            }
+        }
+    }
+
+    fn stats(&self, paused: bool) -> serde_json::Value {
+        let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+        let mut f = statm.split_whitespace().map(|x| x.parse::<u64>().unwrap_or(0));
+        let (size, rss) = (f.next().unwrap_or(0), f.next().unwrap_or(0));
+        serde_json::json!({
+            "paused": paused,
+            "uptime_ms": self.started.elapsed().as_secs_f64() * 1e3,
+            "mem_mib": self.config_mem_mib(),
+            "vcpus": self.vcpu_count,
+            "vmm_vsz_kib": size * 4,
+            "vmm_rss_kib": rss * 4,
+            "cpu_profile": self.profile,
+        })
+    }
+
+    fn config_mem_mib(&self) -> u64 {
+        self.memory.iter().map(|r| r.len()).sum::<u64>() >> 20
+    }
+}
+
+fn pause_all(handles: &[VcpuHandle], control: &mut Control) -> Result<(), String> {
+    if control.paused.is_some() {
+        return Ok(());
+    }
+    let mut states = Vec::with_capacity(handles.len());
+    for h in handles {
+        match h.pause() {
+            Ok(s) => states.push(s),
+            Err(e) => {
+                for h in handles {
+                    h.resume();
+                }
+                return Err(format!("pause failed: {e}"));
+            }
+        }
+    }
+    control.paused = Some(states);
+    Ok(())
+}
+
+fn resume_all(handles: &[VcpuHandle], control: &mut Control) {
+    if control.paused.take().is_some() {
+        for h in handles {
+            h.resume();
+        }
     }
 }
 

@@ -88,6 +88,78 @@ impl BusDevice for Serial {
     }
 }
 
+/// The UART's registers (mirror of vm-superio's `SerialState`, which has no serde).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SerialSnapshot {
+    /// Divisor latch low.
+    pub baud_divisor_low: u8,
+    /// Divisor latch high.
+    pub baud_divisor_high: u8,
+    /// IER.
+    pub interrupt_enable: u8,
+    /// IIR.
+    pub interrupt_identification: u8,
+    /// LCR.
+    pub line_control: u8,
+    /// LSR.
+    pub line_status: u8,
+    /// MCR.
+    pub modem_control: u8,
+    /// MSR.
+    pub modem_status: u8,
+    /// Scratch.
+    pub scratch: u8,
+    /// Bytes the guest has not read yet.
+    pub in_buffer: Vec<u8>,
+}
+
+impl From<vm_superio::serial::SerialState> for SerialSnapshot {
+    fn from(s: vm_superio::serial::SerialState) -> Self {
+        Self {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+}
+
+impl From<&SerialSnapshot> for vm_superio::serial::SerialState {
+    fn from(s: &SerialSnapshot) -> Self {
+        Self {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            // A hostile state file cannot make the FIFO larger than the UART's.
+            in_buffer: s.in_buffer.iter().copied().take(64).collect(),
+        }
+    }
+}
+
+impl Serial {
+    /// Register state for a snapshot.
+    pub fn snapshot(&self) -> SerialSnapshot {
+        self.inner.state().into()
+    }
+
+    /// Rebuilds the UART from a snapshot.
+    pub fn from_snapshot(s: &SerialSnapshot, irq: EventTrigger, out: SerialOut) -> std::io::Result<Self> {
+        Self::from_state(&s.into(), irq, out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,5 +196,28 @@ mod tests {
         let mut w = [0u8; 2];
         s.read(0, &mut w);
         assert_eq!(w, [0xff, 0xff]);
+    }
+
+    #[test]
+    fn snapshot_round_trip_keeps_registers_and_pending_input() {
+        let mut s = Serial::new(EventTrigger::new().unwrap(), Box::new(std::io::sink()));
+        s.write(7, &[0x5a]); // scratch
+        s.write(1, &[1]);
+        s.enqueue_input(b"ab").unwrap();
+        let snap = s.snapshot();
+        let mut r =
+            Serial::from_snapshot(&snap, EventTrigger::new().unwrap(), Box::new(std::io::sink()))
+                .unwrap();
+        let mut b = [0u8];
+        r.read(7, &mut b);
+        assert_eq!(b[0], 0x5a);
+        r.read(0, &mut b);
+        assert_eq!(b[0], b'a');
+        // A hostile snapshot cannot overfill the FIFO.
+        let mut big = snap.clone();
+        big.in_buffer = vec![0; 100_000];
+        let r = Serial::from_snapshot(&big, EventTrigger::new().unwrap(), Box::new(std::io::sink()))
+            .unwrap();
+        assert!(r.snapshot().in_buffer.len() <= 64);
     }
 }

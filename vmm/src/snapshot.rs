@@ -1,0 +1,429 @@
+//! Full snapshots and restore.
+//!
+//! A snapshot is a directory written atomically (temp dir + rename, `ember_snapshot::dir`):
+//! `state` (magic, version, bincode body, CRC64: [`VmState`]) and `memory` (guest RAM, sparse:
+//! all-zero pages are holes). Disks are referenced by path in the state.
+//!
+//! Restore is a start mode: the state file is read and checked (format, checksum, host kind,
+//! CPU profile, CPUID, memory file size) before anything is built; guest memory is the
+//! `memory` file mapped `MAP_PRIVATE | MAP_NORESERVE`, so clones of one snapshot share the page
+//! cache and copy only the pages they write, and the file is never modified.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ember_devices::legacy::{BootMarker, EventTrigger, Serial, SerialOut, SerialSnapshot};
+use ember_snapshot::{MemoryRegionRef, SnapshotWriter, MEMORY_FILE, STATE_FILE};
+use kvm_bindings::{CpuId, KVM_MAX_CPUID_ENTRIES};
+use vm_memory::mmap::MmapRegionBuilder;
+use vm_memory::{
+    FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
+    GuestRegionMmap,
+};
+
+use crate::cpu::{CpuProfile, HostKvm};
+use crate::report::{Reporter, StartTime};
+use crate::vm::{Vm, VmConfig, VmError};
+use crate::vstate::{self, KvmVmState, StateCaps, VcpuState};
+
+/// Errors writing or restoring snapshots.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// The state file.
+    #[error(transparent)]
+    State(#[from] ember_snapshot::StateError),
+    /// The snapshot directory.
+    #[error(transparent)]
+    Dir(#[from] ember_snapshot::DirError),
+    /// The memory file.
+    #[error(transparent)]
+    Memory(#[from] ember_snapshot::MemoryError),
+    /// KVM state.
+    #[error(transparent)]
+    Kvm(#[from] vstate::StateError),
+    /// The snapshot does not fit this host or request.
+    #[error("snapshot {dir}: {reason}")]
+    Incompatible {
+        /// The snapshot.
+        dir: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// Something this VM has cannot be snapshotted yet.
+    #[error("cannot snapshot: {0}")]
+    Unsupported(String),
+    /// Building the restored VM failed.
+    #[error("restoring {dir}: {source}")]
+    Build {
+        /// The snapshot.
+        dir: PathBuf,
+        /// Why.
+        source: Box<VmError>,
+    },
+    /// I/O on the snapshot's files.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// On which file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// One guest RAM region and where it lives in the memory file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemoryRegionState {
+    /// Guest physical address.
+    pub guest_phys_addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Offset in the memory file.
+    pub file_offset: u64,
+}
+
+/// Everything in a snapshot's `state` file.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct VmState {
+    /// ember version that wrote it.
+    pub ember_version: String,
+    /// The KVM flavour of the host that wrote it.
+    pub host: HostKvm,
+    /// The CPU profile the guest ran with.
+    pub cpu_profile: CpuProfile,
+    /// The VM's configuration.
+    pub config: VmConfig,
+    /// The kernel command line the guest booted with.
+    pub cmdline: String,
+    /// Guest RAM layout in the memory file.
+    pub memory: Vec<MemoryRegionState>,
+    /// VM-wide KVM state.
+    pub kvm: KvmVmState,
+    /// Per-vCPU KVM state.
+    pub vcpus: Vec<VcpuState>,
+    /// COM1.
+    pub serial: SerialSnapshot,
+    /// Capabilities the state was saved with.
+    pub caps: StateCaps,
+}
+
+/// What a snapshot write produced.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SnapshotInfo {
+    /// Memory bytes actually written (zero pages are holes).
+    pub memory_bytes_written: u64,
+    /// Size of the memory file.
+    pub memory_file_len: u64,
+    /// Size of the state file.
+    pub state_bytes: u64,
+}
+
+/// The host-side view of guest RAM as byte slices.
+///
+/// # Safety
+/// The caller must guarantee nothing writes guest memory while the slices live: all vCPUs are
+/// paused and the caller is the event-loop thread (the only thread running device code).
+unsafe fn memory_slices(mem: &GuestMemoryMmap) -> Vec<(u64, &[u8])> {
+    mem.iter()
+        .map(|r| {
+            let ptr = r.as_ptr();
+            // SAFETY: `ptr` is the start of a live mapping of `r.len()` bytes owned by `mem`,
+            // which outlives the returned slices; the caller guarantees no concurrent writes.
+            let bytes = unsafe { std::slice::from_raw_parts(ptr, r.len() as usize) };
+            (r.start_addr().0, bytes)
+        })
+        .collect()
+}
+
+/// Writes a full snapshot of `vm` (whose vCPUs are paused with `vcpu_states`) into `dir`.
+pub fn write_snapshot(
+    vm: &Vm,
+    vcpu_states: &[VcpuState],
+    dir: &Path,
+    kind: crate::api::SnapshotKind,
+) -> Result<SnapshotInfo, SnapshotError> {
+    if kind == crate::api::SnapshotKind::Diff {
+        return Err(SnapshotError::Unsupported(
+            "diff snapshots are not implemented yet; take a full snapshot".into(),
+        ));
+    }
+    if !vm.devices.virtio.is_empty() {
+        return Err(SnapshotError::Unsupported(
+            "saving virtio device state is not implemented yet".into(),
+        ));
+    }
+    if vcpu_states.len() != usize::from(vm.vcpu_count) {
+        return Err(SnapshotError::Unsupported(format!(
+            "{} of {} vCPU states captured",
+            vcpu_states.len(),
+            vm.vcpu_count
+        )));
+    }
+    let writer = SnapshotWriter::create(dir)?;
+    // SAFETY: the vCPUs are paused (we hold their states) and this is the event-loop thread.
+    let slices = unsafe { memory_slices(&vm.memory) };
+    let mut regions = Vec::with_capacity(slices.len());
+    let mut refs = Vec::with_capacity(slices.len());
+    let mut off = 0u64;
+    for (gpa, bytes) in &slices {
+        regions.push(MemoryRegionState {
+            guest_phys_addr: *gpa,
+            len: bytes.len() as u64,
+            file_offset: off,
+        });
+        refs.push(MemoryRegionRef::new(*gpa, off, bytes));
+        off += bytes.len() as u64;
+    }
+    let stats = ember_snapshot::write_full(writer.path(MEMORY_FILE)?, &refs)?;
+    let serial = vm
+        .devices
+        .serial
+        .as_ref()
+        .map(|s| ember_devices::bus::lock(s).snapshot())
+        .ok_or_else(|| SnapshotError::Unsupported("VM has no serial port".into()))?;
+    let state = VmState {
+        ember_version: env!("CARGO_PKG_VERSION").to_string(),
+        host: vm.host,
+        cpu_profile: vm.profile,
+        config: vm.config.clone(),
+        cmdline: vm.cmdline.clone(),
+        memory: regions,
+        kvm: vstate::save_vm(&vm.vm_fd)?,
+        vcpus: vcpu_states
+            .iter()
+            .map(|s| ember_snapshot::decode_state(&ember_snapshot::encode_state(s)?))
+            .collect::<Result<Vec<VcpuState>, _>>()?,
+        serial,
+        caps: vm.caps,
+    };
+    let state_path = writer.path(STATE_FILE)?;
+    ember_snapshot::write_state(&state_path, &state)?;
+    let state_bytes = std::fs::metadata(&state_path).map(|m| m.len()).unwrap_or(0);
+    writer.commit()?;
+    Ok(SnapshotInfo {
+        memory_bytes_written: stats.bytes_written,
+        memory_file_len: stats.file_len,
+        state_bytes,
+    })
+}
+
+/// What a restore may change about the snapshot's VM.
+#[derive(Debug, Clone, Default)]
+pub struct RestoreOptions {
+    /// Must match the snapshot's profile when given.
+    pub cpu_profile: Option<CpuProfile>,
+}
+
+/// Reads and checks a snapshot's state against this host, before anything is built.
+pub fn load_state(dir: &Path, opts: &RestoreOptions) -> Result<VmState, SnapshotError> {
+    let incompatible = |reason: String| SnapshotError::Incompatible {
+        dir: dir.to_path_buf(),
+        reason,
+    };
+    if !dir.is_dir() {
+        return Err(incompatible("not a directory".into()));
+    }
+    let state: VmState = ember_snapshot::read_state(dir.join(STATE_FILE))?;
+    let host = HostKvm::detect();
+    if state.host != host {
+        return Err(incompatible(format!(
+            "taken on a {:?} KVM host, this host is {:?}",
+            state.host, host
+        )));
+    }
+    if let Some(p) = opts.cpu_profile {
+        if p != state.cpu_profile {
+            return Err(incompatible(format!(
+                "taken with CPU profile '{}', restore asked for '{p}'",
+                state.cpu_profile
+            )));
+        }
+    }
+    if state.vcpus.len() != usize::from(state.config.vcpus) || state.vcpus.is_empty() {
+        return Err(incompatible(format!(
+            "{} vCPU states for {} vCPUs",
+            state.vcpus.len(),
+            state.config.vcpus
+        )));
+    }
+    let total: u64 = state.memory.iter().map(|r| r.len).sum();
+    if total != state.config.mem_mib << 20 {
+        return Err(incompatible(format!(
+            "memory regions add up to {total} bytes, config says {} MiB",
+            state.config.mem_mib
+        )));
+    }
+    let mut expect_off = 0;
+    for r in &state.memory {
+        if r.file_offset != expect_off || r.len == 0 {
+            return Err(incompatible("memory regions are not laid out back to back".into()));
+        }
+        expect_off += r.len;
+    }
+    ember_snapshot::check_memory_file(dir.join(MEMORY_FILE), total)?;
+    Ok(state)
+}
+
+/// Maps the memory file privately: reads come from the page cache shared with every other
+/// clone, writes go to private copies, the file is never modified.
+pub fn map_memory(dir: &Path, regions: &[MemoryRegionState]) -> Result<GuestMemoryMmap, SnapshotError> {
+    let path = dir.join(MEMORY_FILE);
+    let file = File::open(&path).map_err(|source| SnapshotError::Io {
+        what: "cannot open",
+        path: path.clone(),
+        source,
+    })?;
+    let file = Arc::new(file);
+    let mut out = Vec::with_capacity(regions.len());
+    for r in regions {
+        let mapping = MmapRegionBuilder::new(r.len as usize)
+            .with_file_offset(FileOffset::from_arc(file.clone(), r.file_offset))
+            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+            .build()
+            .map_err(|e| SnapshotError::Io {
+                what: "cannot map",
+                path: path.clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+        let region = GuestRegionMmap::new(mapping, GuestAddress(r.guest_phys_addr)).ok_or_else(
+            || SnapshotError::Incompatible {
+                dir: dir.to_path_buf(),
+                reason: format!("memory region at {:#x} overflows", r.guest_phys_addr),
+            },
+        )?;
+        out.push(region);
+    }
+    GuestMemoryMmap::from_regions(out).map_err(|e| SnapshotError::Incompatible {
+        dir: dir.to_path_buf(),
+        reason: format!("memory regions: {e}"),
+    })
+}
+
+impl Vm {
+    /// Restores the VM saved in `dir`; it starts running at [`Vm::run`].
+    pub fn restore(
+        dir: &Path,
+        opts: &RestoreOptions,
+        serial_out: SerialOut,
+        reporter: Reporter,
+        start: StartTime,
+    ) -> Result<Self, SnapshotError> {
+        let state = load_state(dir, opts)?;
+        let build = |e: VmError| SnapshotError::Build {
+            dir: dir.to_path_buf(),
+            source: Box::new(e),
+        };
+        let kvm = crate::vm::open_kvm().map_err(build)?;
+        let mem = map_memory(dir, &state.memory)?;
+        let vm_fd = kvm.create_vm().map_err(|source| build(VmError::Kvm {
+            what: "KVM_CREATE_VM",
+            source,
+        }))?;
+        if let Err(e) = vm_fd.set_tss_address(0xfffb_d000) {
+            tracing::debug!("KVM_SET_TSS_ADDR: {e} (not needed on this host)");
+        }
+        crate::vm::register_memory(&vm_fd, &mem).map_err(build)?;
+        crate::vm::create_irqchip_and_pit(&vm_fd).map_err(build)?;
+        vstate::restore_vm(&vm_fd, &state.kvm)?;
+
+        // The CPU must present what the snapshot's guest saw.
+        let supported = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(|source| build(VmError::Kvm {
+                what: "KVM_GET_SUPPORTED_CPUID",
+                source,
+            }))?;
+        let mut expected = supported;
+        state.cpu_profile.apply(&mut expected, 0, state.config.vcpus);
+        if !same_cpuid(expected.as_slice(), &state.vcpus[0].cpuid) {
+            return Err(SnapshotError::Incompatible {
+                dir: dir.to_path_buf(),
+                reason: format!(
+                    "this host's CPU (profile '{}') differs from the one the snapshot was taken on",
+                    state.cpu_profile
+                ),
+            });
+        }
+
+        let events = crate::device_manager::EventLoop::new()
+            .map_err(|e| build(VmError::EventLoop(e)))?;
+        let mut devices = crate::device_manager::DeviceManager::new();
+        let irq = EventTrigger::new().map_err(|source| build(VmError::Os {
+            what: "eventfd",
+            source,
+        }))?;
+        let serial = Serial::from_snapshot(&state.serial, irq, serial_out).map_err(
+            |source| build(VmError::Os {
+                what: "serial state",
+                source,
+            }),
+        )?;
+        devices
+            .add_serial_device(&vm_fd, serial)
+            .map_err(|e| build(VmError::Device(e)))?;
+        let reset_evt = devices.add_i8042().map_err(|e| build(VmError::Device(e)))?;
+        devices
+            .add_boot_marker(BootMarker::new(crate::vm::marker_sink(reporter.clone(), start)))
+            .map_err(|e| build(VmError::Device(e)))?;
+
+        let msr_list = kvm.get_msr_index_list().map_err(|source| build(VmError::Kvm {
+            what: "KVM_GET_MSR_INDEX_LIST",
+            source,
+        }))?;
+        let msr_indices = Arc::new(vstate::order_msrs(msr_list.as_slice().to_vec()));
+        let pio = Arc::new(devices.pio.clone());
+        let mmio = Arc::new(devices.mmio.clone());
+        let mut vcpus = Vec::with_capacity(state.vcpus.len());
+        for vs in &state.vcpus {
+            let fd = vm_fd.create_vcpu(u64::from(vs.id)).map_err(|source| {
+                build(VmError::Kvm {
+                    what: "KVM_CREATE_VCPU",
+                    source,
+                })
+            })?;
+            vstate::restore_vcpu(&fd, vs)?;
+            let cpuid = CpuId::from_entries(&vs.cpuid)
+                .map_err(|_| vstate::StateError::TooMany(vs.cpuid.len()))?;
+            vcpus.push(crate::vcpu::Vcpu {
+                id: vs.id,
+                fd,
+                pio: pio.clone(),
+                mmio: mmio.clone(),
+                profile: state.cpu_profile,
+                cpuid,
+                msr_indices: msr_indices.clone(),
+                caps: state.caps,
+                reporter: reporter.clone(),
+            });
+        }
+        Vm::assemble(crate::vm::Parts {
+            vm_fd,
+            memory: mem,
+            devices,
+            cmdline: state.cmdline,
+            profile: state.cpu_profile,
+            host: state.host,
+            events,
+            vcpus,
+            reset_evt,
+            reporter,
+            start,
+            config: state.config,
+            caps: state.caps,
+        })
+        .map_err(build)
+    }
+}
+
+/// Compares two CPUID tables entry by entry, ignoring order.
+fn same_cpuid(a: &[kvm_bindings::kvm_cpuid_entry2], b: &[kvm_bindings::kvm_cpuid_entry2]) -> bool {
+    let key = |e: &kvm_bindings::kvm_cpuid_entry2| (e.function, e.index, e.flags, e.eax, e.ebx, e.ecx, e.edx);
+    let mut x: Vec<_> = a.iter().map(key).collect();
+    let mut y: Vec<_> = b.iter().map(key).collect();
+    x.sort_unstable();
+    y.sort_unstable();
+    x == y
+}

@@ -1,0 +1,286 @@
+//! Snapshot and restore with a hand-assembled guest on real KVM, through the real `ember-vmm`
+//! binary and its control socket: the guest keeps a counter in memory and writes it to the
+//! boot-marker port; after restore in a new process the counter must continue.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ember_vmm::api::{call, AfterSnapshot, Request, SnapshotKind};
+
+const LOAD_ADDR: u64 = 0x20_0000;
+
+fn elf_with_code(code: &[u8]) -> Vec<u8> {
+    let code_off: u64 = 64 + 56;
+    let total = code_off + code.len() as u64;
+    let mut e = Vec::new();
+    e.extend_from_slice(b"\x7fELF");
+    e.extend_from_slice(&[2, 1, 1, 0]);
+    e.extend_from_slice(&[0; 8]);
+    e.extend_from_slice(&2u16.to_le_bytes());
+    e.extend_from_slice(&0x3eu16.to_le_bytes());
+    e.extend_from_slice(&1u32.to_le_bytes());
+    e.extend_from_slice(&(LOAD_ADDR + code_off).to_le_bytes());
+    e.extend_from_slice(&64u64.to_le_bytes());
+    e.extend_from_slice(&0u64.to_le_bytes());
+    e.extend_from_slice(&0u32.to_le_bytes());
+    e.extend_from_slice(&64u16.to_le_bytes());
+    e.extend_from_slice(&56u16.to_le_bytes());
+    e.extend_from_slice(&1u16.to_le_bytes());
+    e.extend_from_slice(&[0; 6]);
+    e.extend_from_slice(&1u32.to_le_bytes());
+    e.extend_from_slice(&5u32.to_le_bytes());
+    e.extend_from_slice(&0u64.to_le_bytes());
+    e.extend_from_slice(&LOAD_ADDR.to_le_bytes());
+    e.extend_from_slice(&LOAD_ADDR.to_le_bytes());
+    e.extend_from_slice(&total.to_le_bytes());
+    e.extend_from_slice(&total.to_le_bytes());
+    e.extend_from_slice(&0x1000u64.to_le_bytes());
+    e.extend_from_slice(code);
+    e
+}
+
+/// loop: inc qword [0x300000]; mov rax, [0x300000]; out 0x0ef0, al; delay; jmp loop
+const COUNTER: &[u8] = &[
+    0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x30, 0x00, // inc qword [0x300000]
+    0x48, 0x8b, 0x04, 0x25, 0x00, 0x00, 0x30, 0x00, // mov rax, [0x300000]
+    0x66, 0xba, 0xf0, 0x0e, // mov dx, 0x0ef0
+    0xee, // out dx, al
+    0xb9, 0xa0, 0x86, 0x01, 0x00, // mov ecx, 100000
+    0xff, 0xc9, // dec ecx
+    0x75, 0xfc, // jnz dec
+    0xeb, 0xe0, // jmp loop
+];
+
+fn vmm() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_ember-vmm"))
+}
+
+fn markers(report: &Path) -> Vec<u64> {
+    std::fs::read_to_string(report)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["event"] == "boot_marker")
+        .filter_map(|e| e["value"].as_u64())
+        .collect()
+}
+
+fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+struct Killer(Child);
+impl Drop for Killer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(args: &[&std::ffi::OsStr]) -> Killer {
+    Killer(
+        Command::new(vmm())
+            .args(args)
+            .arg("--serial")
+            .arg("none")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+#[test]
+fn counter_continues_after_restore_in_a_new_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = dir.path().join("counter.elf");
+    std::fs::write(&kernel, elf_with_code(COUNTER)).unwrap();
+    let sock = dir.path().join("api.sock");
+    let r1 = dir.path().join("r1.jsonl");
+    let snap = dir.path().join("snap");
+
+    let mut first = spawn(&[
+        "--kernel".as_ref(),
+        kernel.as_os_str(),
+        "--mem-mib".as_ref(),
+        "64".as_ref(),
+        "--api-sock".as_ref(),
+        sock.as_os_str(),
+        "--report".as_ref(),
+        r1.as_os_str(),
+    ]);
+    wait_for("3 counter ticks", Duration::from_secs(60), || markers(&r1).len() >= 3);
+
+    // Pause, check the counter stands still, snapshot, and let the VMM exit.
+    assert_eq!(call(&sock, &Request::Pause).unwrap()["ok"], true);
+    let frozen = markers(&r1).len();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(markers(&r1).len(), frozen, "a paused guest must not run");
+    let reply = call(
+        &sock,
+        &Request::Snapshot {
+            dir: snap.clone(),
+            kind: SnapshotKind::Full,
+            after: AfterSnapshot::Exit,
+        },
+    )
+    .unwrap();
+    assert_eq!(reply["ok"], true, "{reply}");
+    let status = first.0.wait().unwrap();
+    assert!(status.success(), "VMM exits 0 after the snapshot: {status}");
+    let before = markers(&r1);
+    let last = *before.last().unwrap();
+    assert!(snap.join("state").is_file() && snap.join("memory").is_file());
+
+    // Restore in a new process: the counter continues from where it was.
+    let r2 = dir.path().join("r2.jsonl");
+    let _second = spawn(&[
+        "--restore".as_ref(),
+        snap.as_os_str(),
+        "--report".as_ref(),
+        r2.as_os_str(),
+    ]);
+    wait_for("ticks after restore", Duration::from_secs(60), || markers(&r2).len() >= 2);
+    let after = markers(&r2);
+    assert_eq!(after[0], (last + 1) % 256, "before {before:?}, after {after:?}");
+    assert_eq!(after[1], (last + 2) % 256);
+    // The snapshot's memory file is never written by the restored VM.
+    let reread = std::fs::read(snap.join("memory")).unwrap();
+    let counter = u64::from_le_bytes(reread[0x300000..0x300008].try_into().unwrap());
+    assert_eq!(counter % 256, last, "memory file holds the snapshot-time counter");
+}
+
+#[test]
+fn two_clones_of_one_snapshot_run_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = dir.path().join("counter.elf");
+    std::fs::write(&kernel, elf_with_code(COUNTER)).unwrap();
+    let sock = dir.path().join("api.sock");
+    let r1 = dir.path().join("r1.jsonl");
+    let snap = dir.path().join("snap");
+    let mut first = spawn(&[
+        "--kernel".as_ref(),
+        kernel.as_os_str(),
+        "--mem-mib".as_ref(),
+        "64".as_ref(),
+        "--api-sock".as_ref(),
+        sock.as_os_str(),
+        "--report".as_ref(),
+        r1.as_os_str(),
+    ]);
+    wait_for("a tick", Duration::from_secs(60), || !markers(&r1).is_empty());
+    let reply = call(
+        &sock,
+        &Request::Snapshot {
+            dir: snap.clone(),
+            kind: SnapshotKind::Full,
+            after: AfterSnapshot::Exit,
+        },
+    )
+    .unwrap();
+    assert_eq!(reply["ok"], true, "{reply}");
+    assert!(first.0.wait().unwrap().success());
+    let reports: Vec<PathBuf> = (0..2).map(|i| dir.path().join(format!("c{i}.jsonl"))).collect();
+    let _clones: Vec<Killer> = reports
+        .iter()
+        .map(|r| spawn(&["--restore".as_ref(), snap.as_os_str(), "--report".as_ref(), r.as_os_str()]))
+        .collect();
+    for r in &reports {
+        wait_for("clone ticks", Duration::from_secs(60), || markers(r).len() >= 2);
+    }
+    let a = markers(&reports[0]);
+    let b = markers(&reports[1]);
+    assert_eq!(a[0], b[0], "both clones continue from the same point");
+}
+
+#[test]
+fn bad_snapshots_are_refused_before_anything_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = dir.path().join("counter.elf");
+    std::fs::write(&kernel, elf_with_code(COUNTER)).unwrap();
+    let sock = dir.path().join("api.sock");
+    let r1 = dir.path().join("r1.jsonl");
+    let snap = dir.path().join("snap");
+    let mut first = spawn(&[
+        "--kernel".as_ref(),
+        kernel.as_os_str(),
+        "--mem-mib".as_ref(),
+        "64".as_ref(),
+        "--api-sock".as_ref(),
+        sock.as_os_str(),
+        "--report".as_ref(),
+        r1.as_os_str(),
+    ]);
+    wait_for("a tick", Duration::from_secs(60), || !markers(&r1).is_empty());
+    let reply = call(
+        &sock,
+        &Request::Snapshot {
+            dir: snap.clone(),
+            kind: SnapshotKind::Full,
+            after: AfterSnapshot::Exit,
+        },
+    )
+    .unwrap();
+    assert_eq!(reply["ok"], true, "{reply}");
+    assert!(first.0.wait().unwrap().success());
+    let state = std::fs::read(snap.join("state")).unwrap();
+
+    let restore_err = |d: &Path| -> String {
+        let out = Command::new(vmm())
+            .arg("--restore")
+            .arg(d)
+            .args(["--serial", "none"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "must fail cleanly");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let variant = |name: &str, state_bytes: &[u8], memory_len: Option<u64>| -> PathBuf {
+        let d = dir.path().join(name);
+        std::fs::create_dir(&d).unwrap();
+        std::fs::write(d.join("state"), state_bytes).unwrap();
+        let m = std::fs::File::create(d.join("memory")).unwrap();
+        m.set_len(memory_len.unwrap_or(64 << 20)).unwrap();
+        d
+    };
+    // Truncated.
+    let e = restore_err(&variant("trunc", &state[..state.len() / 2], None));
+    assert!(e.contains("truncated"), "{e}");
+    // A flipped byte in the body.
+    let mut flipped = state.clone();
+    flipped[state.len() / 2] ^= 0x10;
+    let e = restore_err(&variant("flip", &flipped, None));
+    assert!(e.contains("checksum"), "{e}");
+    // Wrong magic.
+    let mut magic = state.clone();
+    magic[..8].copy_from_slice(b"NOTEMBER");
+    let e = restore_err(&variant("magic", &magic, None));
+    assert!(e.to_lowercase().contains("magic"), "{e}");
+    // Newer format version.
+    let mut newer = state.clone();
+    newer[8..12].copy_from_slice(&99u32.to_le_bytes());
+    let e = restore_err(&variant("newer", &newer, None));
+    assert!(e.contains("version"), "{e}");
+    // Memory file of the wrong size.
+    let e = restore_err(&variant("memsize", &state, Some(1 << 20)));
+    assert!(e.contains("memory"), "{e}");
+    // A different CPU profile than the one the snapshot was taken with.
+    let other = if ember_vmm::HostKvm::detect() == ember_vmm::HostKvm::Pvm { "host" } else { "baseline" };
+    let out = Command::new(vmm())
+        .arg("--restore")
+        .arg(&snap)
+        .args(["--serial", "none", "--cpu-profile", other])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{e}");
+    assert!(e.contains("CPU profile"), "{e}");
+    // Not a directory at all.
+    let e = restore_err(&dir.path().join("nope"));
+    assert!(e.contains("not a directory"), "{e}");
+}
