@@ -38,6 +38,56 @@ enum Cmd {
 enum VmCmd {
     /// Boot a guest, stream its console, exit when it reboots or powers off.
     Boot(BootArgs),
+    /// Restore a VM from a snapshot directory (a new process; the guest continues).
+    Restore(RestoreArgs),
+    /// Snapshot a running VM through its control socket.
+    Snapshot(SnapshotArgs),
+    /// Pause a running VM's vCPUs.
+    Pause(SockArgs),
+    /// Resume a paused VM.
+    Resume(SockArgs),
+    /// Show a running VM's counters.
+    Stats(SockArgs),
+    /// Stop a running VM (its VMM exits 0).
+    Shutdown(SockArgs),
+}
+
+#[derive(Debug, Args)]
+struct SockArgs {
+    /// The VM's control socket (`ember vm boot --api-sock PATH`).
+    #[arg(long)]
+    api_sock: PathBuf,
+}
+
+#[derive(Debug, Args)]
+struct SnapshotArgs {
+    #[command(flatten)]
+    sock: SockArgs,
+    /// Directory to create (written atomically; must not exist yet).
+    #[arg(long)]
+    dir: PathBuf,
+    /// full or diff.
+    #[arg(long, default_value = "full")]
+    kind: String,
+    /// What the VM does afterwards: continue, pause or exit.
+    #[arg(long, default_value = "continue")]
+    then: String,
+}
+
+#[derive(Debug, Args)]
+struct RestoreArgs {
+    /// The snapshot directory.
+    #[arg(long)]
+    snapshot: PathBuf,
+    /// Serve a control socket for the restored VM.
+    #[arg(long)]
+    api_sock: Option<PathBuf>,
+    /// Print one JSON object with the result at the end (the console goes to stderr).
+    #[arg(long)]
+    json: bool,
+    /// Kill the VM if it runs longer than this many seconds.
+    #[arg(long)]
+    timeout: Option<u64>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -90,6 +140,9 @@ struct BootArgs {
     /// Kill the VM if it runs longer than this many seconds.
     #[arg(long)]
     timeout: Option<u64>,
+    /// Serve the VM's control socket here (for `ember vm snapshot/pause/resume`).
+    #[arg(long)]
+    api_sock: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -170,7 +223,12 @@ fn vm_boot(a: BootArgs) -> ExitCode {
     } else {
         Console::Inherit
     };
-    let vm = match launch(&vmm, &cfg, dir.path(), console, &[]) {
+    let extra: Vec<String> = a
+        .api_sock
+        .iter()
+        .flat_map(|p| ["--api-sock".to_string(), p.display().to_string()])
+        .collect();
+    let vm = match launch(&vmm, &cfg, dir.path(), console, &extra) {
         Ok(v) => v,
         Err(e) => return err(e),
     };
@@ -178,6 +236,14 @@ fn vm_boot(a: BootArgs) -> ExitCode {
         Ok(o) => o,
         Err(e) => return err(e),
     };
+    report_outcome(&out, a.json, serde_json::json!({ "kernel": kernel, "rootfs": rootfs }))
+}
+
+fn report_outcome(
+    out: &ember_vmm::launcher::VmOutcome,
+    json: bool,
+    extra: serde_json::Value,
+) -> ExitCode {
     let code = if out.timed_out {
         124
     } else {
@@ -188,10 +254,8 @@ fn vm_boot(a: BootArgs) -> ExitCode {
     let vmm_marker_ms = out
         .event("boot_marker")
         .and_then(|e| e["ms_since_start"].as_f64());
-    if a.json {
-        println!(
-            "{}",
-            serde_json::json!({
+    if json {
+        let mut obj = serde_json::json!({
                 "boot_marker_ms": out.boot_marker_ms,
                 "vmm_boot_marker_ms": vmm_marker_ms,
                 "total_ms": out.total_ms,
@@ -203,10 +267,13 @@ fn vm_boot(a: BootArgs) -> ExitCode {
                 "cmdline": built["cmdline"],
                 "cpu_profile": built["cpu_profile"],
                 "host_kvm": built["host_kvm"],
-                "kernel": kernel,
-                "rootfs": rootfs,
-            })
-        );
+                "restored": built["restored"],
+                "vcpu_first_run_ms": out.ms_to("vcpu_first_run"),
+        });
+        if let (Some(o), Some(e)) = (obj.as_object_mut(), extra.as_object()) {
+            o.extend(e.clone());
+        }
+        println!("{obj}");
     } else {
         match out.boot_marker_ms {
             Some(ms) => eprintln!("ember: boot marker after {ms:.1} ms (process spawn → marker)"),
@@ -219,6 +286,75 @@ fn vm_boot(a: BootArgs) -> ExitCode {
         }
     }
     ExitCode::from(code.clamp(0, 255) as u8)
+}
+
+fn vm_restore(a: RestoreArgs) -> ExitCode {
+    let vmm = match find_vmm_binary() {
+        Ok(b) => b,
+        Err(e) => return err(e),
+    };
+    let dir = match tempfile::Builder::new().prefix("ember-vm-").tempdir() {
+        Ok(d) => d,
+        Err(e) => return err(format!("cannot create a work directory: {e}")),
+    };
+    let extra: Vec<String> = a
+        .api_sock
+        .iter()
+        .flat_map(|p| ["--api-sock".to_string(), p.display().to_string()])
+        .collect();
+    let console = if a.json {
+        Console::Stderr
+    } else {
+        Console::Inherit
+    };
+    let vm = match ember_vmm::launcher::launch_restore(&vmm, &a.snapshot, dir.path(), console, &extra)
+    {
+        Ok(v) => v,
+        Err(e) => return err(e),
+    };
+    match vm.wait(a.timeout.map(std::time::Duration::from_secs)) {
+        Ok(out) => report_outcome(&out, a.json, serde_json::json!({ "snapshot": a.snapshot })),
+        Err(e) => err(e),
+    }
+}
+
+fn vm_control(sock: &std::path::Path, req: ember_vmm::api::Request) -> ExitCode {
+    match ember_vmm::api::call(sock, &req) {
+        Ok(reply) => {
+            println!("{reply}");
+            if reply["ok"] == true {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!(
+                    "ember: error: {}",
+                    reply["error"].as_str().unwrap_or("request failed")
+                );
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => err(e),
+    }
+}
+
+fn vm_snapshot(a: SnapshotArgs) -> ExitCode {
+    use ember_vmm::api::{AfterSnapshot, Request, SnapshotKind};
+    let kind = match a.kind.as_str() {
+        "full" => SnapshotKind::Full,
+        "diff" => SnapshotKind::Diff,
+        other => return err(format!("--kind {other:?}: expected full or diff")),
+    };
+    let after = match a.then.as_str() {
+        "continue" => AfterSnapshot::Continue,
+        "pause" => AfterSnapshot::Pause,
+        "exit" => AfterSnapshot::Exit,
+        other => return err(format!("--then {other:?}: expected continue, pause or exit")),
+    };
+    let dir = if a.dir.is_absolute() {
+        a.dir
+    } else {
+        std::env::current_dir().unwrap_or_default().join(a.dir)
+    };
+    vm_control(&a.sock.api_sock, Request::Snapshot { dir, kind, after })
 }
 
 fn bench_boot(a: BenchBootArgs) -> ExitCode {
@@ -278,6 +414,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Vm(VmCmd::Boot(a)) => vm_boot(a),
+        Cmd::Vm(VmCmd::Restore(a)) => vm_restore(a),
+        Cmd::Vm(VmCmd::Snapshot(a)) => vm_snapshot(a),
+        Cmd::Vm(VmCmd::Pause(a)) => vm_control(&a.api_sock, ember_vmm::api::Request::Pause),
+        Cmd::Vm(VmCmd::Resume(a)) => vm_control(&a.api_sock, ember_vmm::api::Request::Resume),
+        Cmd::Vm(VmCmd::Stats(a)) => vm_control(&a.api_sock, ember_vmm::api::Request::Stats),
+        Cmd::Vm(VmCmd::Shutdown(a)) => vm_control(&a.api_sock, ember_vmm::api::Request::Shutdown),
         Cmd::Bench(BenchCmd::Boot(a)) => bench_boot(a),
         Cmd::Images { template } => {
             let k = images::default_kernel();

@@ -96,6 +96,17 @@ pub struct VmOutcome {
     pub boot_marker_ms: Option<f64>,
     /// The VMM was killed because it outlived the timeout.
     pub timed_out: bool,
+    /// CLOCK_MONOTONIC just before spawn (to turn report timestamps into spawn-relative ones).
+    pub spawn_mono_ns: u64,
+}
+
+impl VmOutcome {
+    /// Milliseconds from spawn to the first event of `kind` (by its `mono_ns`).
+    pub fn ms_to(&self, kind: &str) -> Option<f64> {
+        self.event(kind)
+            .and_then(|e| e["mono_ns"].as_u64())
+            .map(|ns| ns.saturating_sub(self.spawn_mono_ns) as f64 / 1e6)
+    }
 }
 
 impl VmOutcome {
@@ -121,7 +132,6 @@ pub fn launch(
     extra_args: &[String],
 ) -> Result<LaunchedVm, LaunchError> {
     let cfg_path = workdir.join("vm.json");
-    let report = workdir.join("report.jsonl");
     let io = |what, path: &Path| {
         let path = path.to_path_buf();
         move |source| LaunchError::Io { what, path, source }
@@ -132,12 +142,40 @@ pub fn launch(
         source: std::io::Error::other(e),
     })?;
     std::fs::write(&cfg_path, json).map_err(io("cannot write", &cfg_path))?;
+    let mut args: Vec<std::ffi::OsString> = vec!["--config".into(), cfg_path.into()];
+    args.extend(extra_args.iter().map(Into::into));
+    launch_args(binary, &args, workdir, console)
+}
+
+/// Spawns `ember-vmm --restore SNAPSHOT` (plus `extra_args`), work files in `workdir`.
+pub fn launch_restore(
+    binary: &Path,
+    snapshot: &Path,
+    workdir: &Path,
+    console: Console,
+    extra_args: &[String],
+) -> Result<LaunchedVm, LaunchError> {
+    let mut args: Vec<std::ffi::OsString> = vec!["--restore".into(), snapshot.into()];
+    args.extend(extra_args.iter().map(Into::into));
+    launch_args(binary, &args, workdir, console)
+}
+
+/// Spawns `ember-vmm` with `args` plus `--report` into `workdir`.
+pub fn launch_args(
+    binary: &Path,
+    args: &[std::ffi::OsString],
+    workdir: &Path,
+    console: Console,
+) -> Result<LaunchedVm, LaunchError> {
+    let report = workdir.join("report.jsonl");
+    let io = |what, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| LaunchError::Io { what, path, source }
+    };
     let mut cmd = Command::new(binary);
-    cmd.arg("--config")
-        .arg(&cfg_path)
+    cmd.args(args)
         .arg("--report")
         .arg(&report)
-        .args(extra_args)
         .stdin(Stdio::null());
     match console {
         Console::Inherit => cmd.stdout(Stdio::inherit()),
@@ -227,6 +265,7 @@ impl LaunchedVm {
             total_ms,
             boot_marker_ms,
             timed_out: timed_out.load(std::sync::atomic::Ordering::SeqCst),
+            spawn_mono_ns: self.spawn_mono_ns,
         })
     }
 }
