@@ -68,6 +68,12 @@ pub enum Request {
     },
     /// Counters and sizes.
     Stats,
+    /// Record the guest pages this (restored) VM has touched so far into `dir/workingset`,
+    /// for later restores of the snapshot in `dir` to prefetch.
+    RecordWorkingSet {
+        /// The snapshot directory the VM was restored from.
+        dir: PathBuf,
+    },
     /// Stop the VM and exit 0.
     Shutdown,
 }

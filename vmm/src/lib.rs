@@ -15,6 +15,7 @@ pub mod report;
 pub mod snapshot;
 pub mod vcpu;
 pub mod vstate;
+pub mod workingset;
 pub mod vm;
 
 pub use cpu::{CpuProfile, HostKvm};

@@ -53,6 +53,9 @@ struct Args {
     /// Restore the VM saved in this snapshot directory instead of booting a kernel.
     #[arg(long, conflicts_with_all = ["config", "kernel", "disks", "mem_mib", "vcpus", "cmdline", "cmdline_append"])]
     restore: Option<PathBuf>,
+    /// With --restore: prefetch the snapshot's recorded working set: off, sync or async.
+    #[arg(long, default_value = "async")]
+    prefetch: ember_vmm::workingset::Prefetch,
     /// Serve the control socket (pause, resume, snapshot, stats, shutdown) at this path.
     #[arg(long)]
     api_sock: Option<PathBuf>,
@@ -174,6 +177,7 @@ fn main() -> ExitCode {
         Some(dir) => {
             let opts = ember_vmm::snapshot::RestoreOptions {
                 cpu_profile: args.cpu_profile,
+                prefetch: args.prefetch,
             };
             Vm::restore(dir, &opts, out, reporter.clone(), start).map_err(|e| e.to_string())
         }

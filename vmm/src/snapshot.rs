@@ -214,6 +214,8 @@ pub fn write_snapshot(
 pub struct RestoreOptions {
     /// Must match the snapshot's profile when given.
     pub cpu_profile: Option<CpuProfile>,
+    /// What to do with a recorded working set.
+    pub prefetch: crate::workingset::Prefetch,
 }
 
 /// Reads and checks a snapshot's state against this host, before anything is built.
@@ -318,6 +320,7 @@ impl Vm {
         };
         let kvm = crate::vm::open_kvm().map_err(build)?;
         let mem = map_memory(dir, &state.memory)?;
+        prefetch(dir, &mem, opts.prefetch, &reporter);
         let vm_fd = kvm.create_vm().map_err(|source| build(VmError::Kvm {
             what: "KVM_CREATE_VM",
             source,
@@ -415,6 +418,51 @@ impl Vm {
             caps: state.caps,
         })
         .map_err(build)
+    }
+}
+
+/// Populates the snapshot's recorded working set, now or on a helper thread.
+fn prefetch(dir: &Path, mem: &GuestMemoryMmap, mode: crate::workingset::Prefetch, reporter: &Reporter) {
+    use crate::workingset::{self as ws, Prefetch};
+    if mode == Prefetch::Off {
+        return;
+    }
+    let set = match ws::load(dir) {
+        Ok(Some(s)) => s,
+        Ok(None) => return,
+        Err(e) => {
+            tracing::warn!("ignoring the working set of {}: {e}", dir.display());
+            return;
+        }
+    };
+    let ranges = ws::ranges(mem, &set);
+    let reporter = reporter.clone();
+    let work = move || {
+        let t = std::time::Instant::now();
+        let bytes = ws::populate(&ranges);
+        reporter.event(
+            "prefetch_done",
+            serde_json::json!({
+                "bytes": bytes,
+                "ms": t.elapsed().as_secs_f64() * 1e3,
+                "mono_ns": crate::report::monotonic_ns(),
+            }),
+        );
+    };
+    if mode == Prefetch::Sync {
+        work();
+    } else {
+        // The thread holds a clone of the memory so the mapping outlives it.
+        let keep = mem.clone();
+        let spawned = std::thread::Builder::new()
+            .name("prefetch".into())
+            .spawn(move || {
+                work();
+                drop(keep);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("cannot start the prefetch thread: {e}");
+        }
     }
 }
 

@@ -629,6 +629,16 @@ impl Vm {
                 json!({ "ok": true })
             }
             Request::Stats => json!({ "ok": true, "stats": self.stats(control.paused.is_some()) }),
+            Request::RecordWorkingSet { dir } => {
+                let r = crate::workingset::record(&self.memory).and_then(|set| {
+                    crate::workingset::save(&dir, &set)?;
+                    Ok(set.count())
+                });
+                match r {
+                    Ok(pages) => json!({ "ok": true, "pages": pages }),
+                    Err(e) => json!({ "ok": false, "error": e.to_string() }),
+                }
+            }
             Request::Shutdown => {
                 control.exit = Some(VmExit::Shutdown);
                 json!({ "ok": true })
