@@ -2,3 +2,4 @@
 //! the pieces the `ember` CLI is made of.
 
 pub mod images;
+pub mod term;

@@ -143,6 +143,13 @@ struct BootArgs {
     /// Serve the VM's control socket here (for `ember vm snapshot/pause/resume`).
     #[arg(long)]
     api_sock: Option<PathBuf>,
+    /// Interactive console: your keyboard goes to the guest's serial port; Ctrl-] detaches
+    /// (the VM keeps running; stop it with `ember vm shutdown --api-sock`).
+    #[arg(long, conflicts_with = "json")]
+    console: bool,
+    /// Also write the guest's console output to this file (instead of the terminal).
+    #[arg(long, conflicts_with = "console")]
+    serial_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -218,25 +225,71 @@ fn vm_boot(a: BootArgs) -> ExitCode {
         Ok(d) => d,
         Err(e) => return err(format!("cannot create a work directory: {e}")),
     };
-    let console = if a.json {
+    let console = if a.console {
+        Console::Interactive
+    } else if a.json {
         Console::Stderr
     } else {
         Console::Inherit
     };
-    let extra: Vec<String> = a
+    let mut extra: Vec<String> = a
         .api_sock
         .iter()
         .flat_map(|p| ["--api-sock".to_string(), p.display().to_string()])
         .collect();
-    let vm = match launch(&vmm, &cfg, dir.path(), console, &extra) {
+    if let Some(f) = &a.serial_file {
+        extra.push("--serial".into());
+        extra.push(format!("file:{}", f.display()));
+    }
+    let mut vm = match launch(&vmm, &cfg, dir.path(), console, &extra) {
         Ok(v) => v,
         Err(e) => return err(e),
     };
+    if a.console {
+        if let Some(stdin) = vm.child.stdin.take() {
+            let pid = vm.child.id();
+            let sock = a.api_sock.clone();
+            std::thread::spawn(move || forward_console(stdin, pid, sock));
+        }
+    }
     let out = match vm.wait(a.timeout.map(std::time::Duration::from_secs)) {
         Ok(o) => o,
         Err(e) => return err(e),
     };
     report_outcome(&out, a.json, serde_json::json!({ "kernel": kernel, "rootfs": rootfs }))
+}
+
+/// Copies our stdin to the VMM's, in raw mode, until Ctrl-] (detach) or EOF.
+fn forward_console(mut to_vm: std::process::ChildStdin, pid: u32, sock: Option<PathBuf>) {
+    use std::io::{Read, Write};
+    let mut term = ember_sandbox::term::RawTerminal::enter();
+    eprint!("ember: console attached; Ctrl-] detaches\r\n");
+    let mut buf = [0u8; 1024];
+    let mut stdin = std::io::stdin();
+    loop {
+        let n = match stdin.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        let (data, detach) = ember_sandbox::term::split_detach(&buf[..n]);
+        if to_vm.write_all(data).is_err() {
+            return;
+        }
+        if detach {
+            term.restore();
+            match sock {
+                Some(s) => eprintln!(
+                    "\nember: detached; the VM keeps running (pid {pid}); stop it with \
+                     `ember vm shutdown --api-sock {}`",
+                    s.display()
+                ),
+                None => eprintln!(
+                    "\nember: detached; the VM keeps running (pid {pid}); stop it with `kill {pid}`"
+                ),
+            }
+            std::process::exit(0);
+        }
+    }
 }
 
 fn report_outcome(

@@ -12,7 +12,7 @@
 //! | SMAP | 7.0:EBX[20] | `clac` in interrupt entry | `clearcpuid=308` |
 //! | ERMS | 7.0:EBX[9] | `rep movsb/stosb` emulated per byte (speed) | `clearcpuid=297` |
 //! | FSRM | 7.0:EDX[4] | `rep movsb` (speed) | `clearcpuid=580` |
-//! | CX16 | 1:ECX[13] | `lock cmpxchg16b` in SLUB's `___slab_alloc` | CPUID (this bit follows the VMM) |
+//! | CX16 | 1:ECX[13] | `lock cmpxchg16b` in SLUB's `___slab_alloc` | CPUID (this bit follows the VMM), and `clearcpuid=141` so a peer VMM given the same command line is covered |
 //!
 //! Every profile hides the KVM paravirtual features whose guest side issues hypercalls
 //! (`vmcall`/`vmmcall` spin forever on kvm_pvm): PV_UNHALT, PV_SEND_IPI, PV_SCHED_YIELD,
@@ -118,12 +118,13 @@ pub const KVM_FEATURES_KEPT: u32 = KVM_FEATURE_CLOCKSOURCE
     | KVM_FEATURE_CLOCKSOURCE2
     | KVM_FEATURE_CLOCKSOURCE_STABLE_BIT;
 
-/// Kernel command-line options the pvm profile adds: the feature masks above, plus boot-time
+/// Kernel command-line options the pvm profile adds: the feature masks above (141 CX16,
+/// 151 POPCNT, 308 SMAP, 297 ERMS, 580 FSRM: `word * 32 + bit` in the kernel's numbering), plus boot-time
 /// options that only matter where ring 0 is emulated (`rodata=off`: page-attribute changes at
 /// 4 KiB granularity cost ~7 s there; `noreplace-smp`: per-site LOCK-prefix patching;
 /// `tsc=reliable`: no clocksource watchdog).
 pub const PVM_CMDLINE: &str =
-    "noxsave clearcpuid=151,308,297,580 rodata=off noreplace-smp tsc=reliable";
+    "noxsave clearcpuid=141,151,308,297,580 rodata=off noreplace-smp tsc=reliable";
 
 impl CpuProfile {
     /// Extra kernel command line for this profile.

@@ -74,6 +74,8 @@ pub struct DeviceManager {
     pub virtio: Vec<VirtioSlot>,
     /// The UART, for input and snapshots.
     pub serial: Option<Arc<Mutex<Serial>>>,
+    /// Written when the guest drains the UART's receive FIFO (for console input).
+    pub serial_drained: Option<vmm_sys_util::eventfd::EventFd>,
     next_irq: u32,
     next_mmio: u64,
 }
@@ -95,7 +97,17 @@ impl DeviceManager {
         out: ember_devices::legacy::SerialOut,
     ) -> Result<Arc<Mutex<Serial>>, DeviceError> {
         let irq = EventTrigger::new().map_err(DeviceError::EventFd)?;
-        self.add_serial_device(vm, Serial::new(irq, out))
+        let drained = self.new_drained_event()?;
+        self.add_serial_device(vm, Serial::with_input_events(irq, out, Some(drained)))
+    }
+
+    /// The eventfd a UART signals when its receive FIFO empties; keeps a copy for the console.
+    pub fn new_drained_event(&mut self) -> Result<vmm_sys_util::eventfd::EventFd, DeviceError> {
+        let e = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK)
+            .map_err(DeviceError::EventFd)?;
+        let copy = e.try_clone().map_err(DeviceError::EventFd)?;
+        self.serial_drained = Some(copy);
+        Ok(e)
     }
 
     /// Places an already built COM1 (e.g. restored from a snapshot).

@@ -56,6 +56,9 @@ pub enum Console {
     Capture,
     /// Discarded.
     Null,
+    /// Output to our stdout, and the child's stdin is a pipe the caller feeds (the VMM is
+    /// started with `--serial-input stdin`); take it from [`LaunchedVm::child`].
+    Interactive,
 }
 
 /// A running `ember-vmm` child.
@@ -181,6 +184,11 @@ pub fn launch_args(
         Console::Inherit => cmd.stdout(Stdio::inherit()),
         Console::Stderr | Console::Capture => cmd.stdout(Stdio::piped()),
         Console::Null => cmd.arg("--serial").arg("none").stdout(Stdio::null()),
+        Console::Interactive => cmd
+            .arg("--serial-input")
+            .arg("stdin")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::inherit()),
     };
     let spawn_mono_ns = monotonic_ns();
     let spawn_at = Instant::now();

@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod boot;
+pub mod console;
 pub mod cpu;
 pub mod device_manager;
 pub mod launcher;

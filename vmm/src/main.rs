@@ -44,6 +44,9 @@ struct Args {
     /// Where guest console output goes: `stdout`, `none` or `file:PATH`.
     #[arg(long, default_value = "stdout")]
     serial: String,
+    /// Feed the guest's serial console from stdin (`stdin`) or not at all (`none`).
+    #[arg(long, default_value = "none")]
+    serial_input: String,
     /// Write JSON-lines events (boot marker, exit) to this file.
     #[arg(long)]
     report: Option<PathBuf>,
@@ -191,6 +194,15 @@ fn main() -> ExitCode {
             return fail(e);
         }
     };
+    match args.serial_input.as_str() {
+        "none" => {}
+        "stdin" => {
+            if let Err(e) = vm.attach_console_input(0) {
+                return fail(e.to_string());
+            }
+        }
+        other => return fail(format!("--serial-input {other:?}: expected stdin or none")),
+    }
     if let Some(sock) = &args.api_sock {
         if let Err(e) = vm.serve_api(sock) {
             reporter.event("error", serde_json::json!({ "message": e.to_string() }));

@@ -358,7 +358,10 @@ impl Vm {
             what: "eventfd",
             source,
         }))?;
-        let serial = Serial::from_snapshot(&state.serial, irq, serial_out).map_err(
+        let drained = devices
+            .new_drained_event()
+            .map_err(|e| build(VmError::Device(e)))?;
+        let serial = Serial::from_snapshot(&state.serial, irq, serial_out, Some(drained)).map_err(
             |source| build(VmError::Os {
                 what: "serial state",
                 source,

@@ -532,6 +532,29 @@ impl Vm {
         })
     }
 
+    /// Forwards bytes read from `fd` (e.g. stdin) to the guest's serial console.
+    pub fn attach_console_input(&mut self, fd: std::os::unix::io::RawFd) -> Result<(), VmError> {
+        let (Some(serial), Some(drained)) = (&self.devices.serial, &self.devices.serial_drained)
+        else {
+            return Err(VmError::Os {
+                what: "console input",
+                source: std::io::Error::other("the VM has no serial port"),
+            });
+        };
+        let drained = drained.try_clone().map_err(|source| VmError::Os {
+            what: "eventfd clone",
+            source,
+        })?;
+        let input = crate::console::SerialInput::new(serial.clone(), fd, drained).map_err(
+            |source| VmError::Os {
+                what: "console input",
+                source,
+            },
+        )?;
+        self.events.add_subscriber(Arc::new(Mutex::new(input)));
+        Ok(())
+    }
+
     /// Serves the control socket at `path` on the event loop.
     pub fn serve_api(&mut self, path: &std::path::Path) -> Result<(), crate::api::ApiError> {
         let queue = ApiQueue::default();

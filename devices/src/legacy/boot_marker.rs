@@ -73,7 +73,9 @@ mod tests {
     fn records_each_write_and_flags_the_first() {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let s2 = seen.clone();
-        let mut m = BootMarker::new(Box::new(move |e| s2.lock().unwrap().push((e.value, e.first))));
+        let mut m = BootMarker::new(Box::new(move |e| {
+            s2.lock().unwrap().push((e.value, e.first))
+        }));
         m.write(0, &[1]);
         m.write(1, &[9]);
         m.write(0, &[2, 3]);

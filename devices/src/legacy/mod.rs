@@ -6,7 +6,9 @@ mod serial;
 
 pub use boot_marker::{BootMarker, BootMarkerEvent, MarkerSink, BOOT_MARKER_PORT};
 pub use i8042::{I8042, I8042_PORT_BASE, I8042_PORT_LEN};
-pub use serial::{Serial, SerialOut, SerialSnapshot, SERIAL_COM1_BASE, SERIAL_COM1_IRQ, SERIAL_PORT_LEN};
+pub use serial::{
+    Serial, SerialOut, SerialSnapshot, SERIAL_COM1_BASE, SERIAL_COM1_IRQ, SERIAL_PORT_LEN,
+};
 
 use vmm_sys_util::eventfd::EventFd;
 

@@ -2,7 +2,8 @@
 
 use std::io::Write;
 
-use vm_superio::serial::NoEvents;
+use vm_superio::serial::SerialEvents;
+use vmm_sys_util::eventfd::EventFd;
 
 use super::EventTrigger;
 use crate::bus::BusDevice;
@@ -17,9 +18,24 @@ pub const SERIAL_COM1_IRQ: u32 = 4;
 /// Where guest console output goes.
 pub type SerialOut = Box<dyn Write + Send>;
 
+/// Signals the VMM when the guest has drained the receive FIFO, so more input can be queued.
+#[derive(Debug)]
+pub struct InputDrained(Option<EventFd>);
+
+impl SerialEvents for InputDrained {
+    fn buffer_read(&self) {}
+    fn out_byte(&self) {}
+    fn tx_lost_byte(&self) {}
+    fn in_buffer_empty(&self) {
+        if let Some(e) = &self.0 {
+            let _ = e.write(1);
+        }
+    }
+}
+
 /// COM1: guest output goes to `out`, input is queued with [`Serial::enqueue_input`].
 pub struct Serial {
-    inner: vm_superio::Serial<EventTrigger, NoEvents, SerialOut>,
+    inner: vm_superio::Serial<EventTrigger, InputDrained, SerialOut>,
 }
 
 impl std::fmt::Debug for Serial {
@@ -31,8 +47,13 @@ impl std::fmt::Debug for Serial {
 impl Serial {
     /// A UART raising `irq` when it needs attention and writing guest output to `out`.
     pub fn new(irq: EventTrigger, out: SerialOut) -> Self {
+        Self::with_input_events(irq, out, None)
+    }
+
+    /// Like [`Serial::new`], writing `drained` whenever the guest empties the receive FIFO.
+    pub fn with_input_events(irq: EventTrigger, out: SerialOut, drained: Option<EventFd>) -> Self {
         Self {
-            inner: vm_superio::Serial::new(irq, out),
+            inner: vm_superio::Serial::with_events(irq, InputDrained(drained), out),
         }
     }
 
@@ -63,8 +84,9 @@ impl Serial {
         state: &vm_superio::serial::SerialState,
         irq: EventTrigger,
         out: SerialOut,
+        drained: Option<EventFd>,
     ) -> std::io::Result<Self> {
-        let inner = vm_superio::Serial::from_state(state, irq, NoEvents, out)
+        let inner = vm_superio::Serial::from_state(state, irq, InputDrained(drained), out)
             .map_err(|e| std::io::Error::other(format!("serial state: {e:?}")))?;
         Ok(Self { inner })
     }
@@ -155,8 +177,13 @@ impl Serial {
     }
 
     /// Rebuilds the UART from a snapshot.
-    pub fn from_snapshot(s: &SerialSnapshot, irq: EventTrigger, out: SerialOut) -> std::io::Result<Self> {
-        Self::from_state(&s.into(), irq, out)
+    pub fn from_snapshot(
+        s: &SerialSnapshot,
+        irq: EventTrigger,
+        out: SerialOut,
+        drained: Option<EventFd>,
+    ) -> std::io::Result<Self> {
+        Self::from_state(&s.into(), irq, out, drained)
     }
 }
 
@@ -205,9 +232,8 @@ mod tests {
         s.write(1, &[1]);
         s.enqueue_input(b"ab").unwrap();
         let snap = s.snapshot();
-        let mut r =
-            Serial::from_snapshot(&snap, EventTrigger::new().unwrap(), Box::new(std::io::sink()))
-                .unwrap();
+        let mut r = Serial::from_snapshot(&snap, EventTrigger::new().unwrap(), Box::new(std::io::sink()), None)
+        .unwrap();
         let mut b = [0u8];
         r.read(7, &mut b);
         assert_eq!(b[0], 0x5a);
@@ -216,8 +242,8 @@ mod tests {
         // A hostile snapshot cannot overfill the FIFO.
         let mut big = snap.clone();
         big.in_buffer = vec![0; 100_000];
-        let r = Serial::from_snapshot(&big, EventTrigger::new().unwrap(), Box::new(std::io::sink()))
-            .unwrap();
+        let r = Serial::from_snapshot(&big, EventTrigger::new().unwrap(), Box::new(std::io::sink()), None)
+        .unwrap();
         assert!(r.snapshot().in_buffer.len() <= 64);
     }
 }
