@@ -144,6 +144,14 @@ mod tests {
         tx.write_all(&data).unwrap();
         input.read_input();
         input.flush();
+        // The guest driver has not enabled the receive interrupt yet: nothing is queued.
+        assert_eq!(input.pending.len(), 200);
+        {
+            use ember_devices::bus::BusDevice;
+            serial.lock().unwrap().write(1, &[1]);
+        }
+        assert_eq!(input.drained.read().unwrap(), 1, "enabling RX signals readiness");
+        input.flush();
         // 64 bytes fit the FIFO, the rest waits.
         assert_eq!(input.pending.len(), 200 - 64);
         let mut got = Vec::new();

@@ -15,6 +15,11 @@ pub const SERIAL_PORT_LEN: u64 = 8;
 /// The legacy IRQ line of COM1.
 pub const SERIAL_COM1_IRQ: u32 = 4;
 
+/// IER bit: received-data interrupt enabled.
+const IER_RDI: u8 = 1;
+/// LCR bit: divisor latch access (offsets 0 and 1 address the divisor).
+const LCR_DLAB: u8 = 0x80;
+
 /// Where guest console output goes.
 pub type SerialOut = Box<dyn Write + Send>;
 
@@ -36,6 +41,8 @@ impl SerialEvents for InputDrained {
 /// COM1: guest output goes to `out`, input is queued with [`Serial::enqueue_input`].
 pub struct Serial {
     inner: vm_superio::Serial<EventTrigger, InputDrained, SerialOut>,
+    /// Also written when the guest enables the receive interrupt (it is ready for input).
+    input_ready: Option<EventFd>,
 }
 
 impl std::fmt::Debug for Serial {
@@ -52,8 +59,10 @@ impl Serial {
 
     /// Like [`Serial::new`], writing `drained` whenever the guest empties the receive FIFO.
     pub fn with_input_events(irq: EventTrigger, out: SerialOut, drained: Option<EventFd>) -> Self {
+        let input_ready = drained.as_ref().and_then(|e| e.try_clone().ok());
         Self {
             inner: vm_superio::Serial::with_events(irq, InputDrained(drained), out),
+            input_ready,
         }
     }
 
@@ -69,8 +78,13 @@ impl Serial {
             .map_err(|e| std::io::Error::other(format!("serial input: {e:?}")))
     }
 
-    /// Room left in the receive FIFO.
+    /// Room left in the receive FIFO, or 0 while the guest driver has the receive interrupt
+    /// off: the 8250 driver reads (and discards) a byte while it starts up, so input waits
+    /// until the port is open.
     pub fn input_capacity(&self) -> usize {
+        if self.inner.state().interrupt_enable & IER_RDI == 0 {
+            return 0;
+        }
         self.inner.fifo_capacity()
     }
 
@@ -86,9 +100,10 @@ impl Serial {
         out: SerialOut,
         drained: Option<EventFd>,
     ) -> std::io::Result<Self> {
+        let input_ready = drained.as_ref().and_then(|e| e.try_clone().ok());
         let inner = vm_superio::Serial::from_state(state, irq, InputDrained(drained), out)
             .map_err(|e| std::io::Error::other(format!("serial state: {e:?}")))?;
-        Ok(Self { inner })
+        Ok(Self { inner, input_ready })
     }
 }
 
@@ -103,8 +118,14 @@ impl BusDevice for Serial {
 
     fn write(&mut self, offset: u64, data: &[u8]) {
         if let (Ok(off), [b]) = (u8::try_from(offset), data) {
+            let dlab = self.inner.state().line_control & LCR_DLAB != 0;
             if let Err(e) = self.inner.write(off, *b) {
                 tracing::warn!("serial write at offset {off}: {e:?}");
+            }
+            if off == 1 && !dlab && *b & IER_RDI as u8 != 0 {
+                if let Some(e) = &self.input_ready {
+                    let _ = e.write(1);
+                }
             }
         }
     }
