@@ -2,4 +2,5 @@
 //! the pieces the `ember` CLI is made of.
 
 pub mod images;
+pub mod jail;
 pub mod term;

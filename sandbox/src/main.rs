@@ -88,6 +88,8 @@ struct RestoreArgs {
     /// Kill the VM if it runs longer than this many seconds.
     #[arg(long)]
     timeout: Option<u64>,
+    #[command(flatten)]
+    jail: JailArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -150,6 +152,157 @@ struct BootArgs {
     /// Also write the guest's console output to this file (instead of the terminal).
     #[arg(long, conflicts_with = "console")]
     serial_file: Option<PathBuf>,
+    #[command(flatten)]
+    jail: JailArgs,
+}
+
+#[derive(Debug, Args, Clone)]
+struct JailArgs {
+    /// Run the VMM inside ember-jailer: own root, namespaces, cgroups, unprivileged uid.
+    #[arg(long)]
+    jail: bool,
+    /// uid the jailed VMM runs as.
+    #[arg(long, default_value_t = 10000, requires = "jail")]
+    jail_uid: u32,
+    /// gid the jailed VMM runs as.
+    #[arg(long, default_value_t = 10000, requires = "jail")]
+    jail_gid: u32,
+    /// Where jails are built.
+    #[arg(long, default_value = "/srv/ember/jail", requires = "jail")]
+    jail_base: PathBuf,
+    /// Memory limit of the jail's cgroup, in MiB.
+    #[arg(long, requires = "jail")]
+    jail_memory_mib: Option<u64>,
+    /// CPU quota of the jail's cgroup, in µs per 100 ms period.
+    #[arg(long, requires = "jail")]
+    jail_cpu_quota_us: Option<u64>,
+    /// Most processes/threads in the jail's cgroup.
+    #[arg(long, requires = "jail")]
+    jail_pids_max: Option<u64>,
+    /// Run the VMM as pid 1 of its own PID namespace.
+    #[arg(long, requires = "jail")]
+    jail_pid_ns: bool,
+}
+
+impl JailArgs {
+    fn options(&self) -> Result<Option<ember_sandbox::jail::JailOptions>, String> {
+        if !self.jail {
+            eprintln!(
+                "ember: warning: the VMM runs UNJAILED (no chroot, namespaces, cgroups or \
+                 privilege drop); use --jail outside development"
+            );
+            return Ok(None);
+        }
+        let jailer = match std::env::var_os("EMBER_JAILER") {
+            Some(p) => PathBuf::from(p),
+            None => find_vmm_binary()
+                .map_err(|e| e.to_string())?
+                .with_file_name("ember-jailer"),
+        };
+        if !jailer.is_file() {
+            return Err(format!(
+                "cannot find ember-jailer at {} (set EMBER_JAILER)",
+                jailer.display()
+            ));
+        }
+        let limits = ember_jailer::CgroupLimits {
+            memory_bytes: self.jail_memory_mib.map(|m| m << 20),
+            cpu_quota_us: self.jail_cpu_quota_us,
+            cpu_period_us: self.jail_cpu_quota_us.map(|_| 100_000),
+            pids_max: self.jail_pids_max,
+            ..Default::default()
+        };
+        Ok(Some(ember_sandbox::jail::JailOptions {
+            jailer,
+            uid: self.jail_uid,
+            gid: self.jail_gid,
+            chroot_base: self.jail_base.clone(),
+            limits,
+            new_pid_ns: self.jail_pid_ns,
+        }))
+    }
+}
+
+/// Launches a VMM directly or through the jailer; returns the outcome and the jail to clean.
+fn run_vm(
+    jail: &JailArgs,
+    vmm: &std::path::Path,
+    what: VmStart<'_>,
+    dir: &std::path::Path,
+    console: Console,
+    api_sock: Option<&std::path::Path>,
+    extra: &[String],
+    timeout: Option<u64>,
+) -> Result<ember_vmm::launcher::VmOutcome, String> {
+    let opts = jail.options()?;
+    let timeout = timeout.map(std::time::Duration::from_secs);
+    let Some(opts) = opts else {
+        let mut extra = extra.to_vec();
+        if let Some(p) = api_sock {
+            extra.push("--api-sock".into());
+            extra.push(p.display().to_string());
+        }
+        let vm = match what {
+            VmStart::Boot(cfg) => launch(vmm, cfg, dir, console, &extra),
+            VmStart::Restore(snap) => {
+                ember_vmm::launcher::launch_restore(vmm, snap, dir, console, &extra)
+            }
+        }
+        .map_err(|e| e.to_string())?;
+        return wait_console(vm, api_sock, timeout);
+    };
+    let id = ember_sandbox::jail::new_id();
+    let mut extra = extra.to_vec();
+    if api_sock.is_some() {
+        extra.push("--api-sock".into());
+        extra.push("/work/api.sock".into());
+    }
+    let work = dir.join("work");
+    std::fs::create_dir_all(&work).map_err(|e| format!("cannot create {}: {e}", work.display()))?;
+    let launch = match what {
+        VmStart::Boot(cfg) => ember_sandbox::jail::boot(&opts, &id, vmm, cfg, &work, &extra),
+        VmStart::Restore(snap) => {
+            ember_sandbox::jail::restore(&opts, &id, vmm, snap, &work, &extra)
+        }
+    }
+    .map_err(|e| e.to_string())?;
+    if let Some(p) = api_sock {
+        let _ = std::fs::remove_file(p);
+        std::os::unix::fs::symlink(&launch.api_sock_host, p)
+            .map_err(|e| format!("cannot link the control socket at {}: {e}", p.display()))?;
+    }
+    eprintln!("ember: jailed as {id} (uid {}, {})", opts.uid, launch.config.jail_dir().display());
+    let vm = ember_vmm::launcher::launch_args(
+        &opts.jailer,
+        &launch.args,
+        &launch.report_host,
+        &launch.report_in_jail,
+        console,
+    )
+    .map_err(|e| e.to_string());
+    let out = vm.and_then(|vm| wait_console(vm, api_sock, timeout));
+    if let Err(e) = ember_sandbox::jail::cleanup(&launch.config) {
+        eprintln!("ember: warning: jail clean-up: {e}");
+    }
+    out
+}
+
+enum VmStart<'a> {
+    Boot(&'a VmConfig),
+    Restore(&'a std::path::Path),
+}
+
+fn wait_console(
+    mut vm: ember_vmm::launcher::LaunchedVm,
+    api_sock: Option<&std::path::Path>,
+    timeout: Option<std::time::Duration>,
+) -> Result<ember_vmm::launcher::VmOutcome, String> {
+    if let Some(stdin) = vm.child.stdin.take() {
+        let pid = vm.child.id();
+        let sock = api_sock.map(|p| p.to_path_buf());
+        std::thread::spawn(move || forward_console(stdin, pid, sock));
+    }
+    vm.wait(timeout).map_err(|e| e.to_string())
 }
 
 #[derive(Debug, Args)]
@@ -232,27 +385,21 @@ fn vm_boot(a: BootArgs) -> ExitCode {
     } else {
         Console::Inherit
     };
-    let mut extra: Vec<String> = a
-        .api_sock
-        .iter()
-        .flat_map(|p| ["--api-sock".to_string(), p.display().to_string()])
-        .collect();
+    let mut extra: Vec<String> = Vec::new();
     if let Some(f) = &a.serial_file {
         extra.push("--serial".into());
         extra.push(format!("file:{}", f.display()));
     }
-    let mut vm = match launch(&vmm, &cfg, dir.path(), console, &extra) {
-        Ok(v) => v,
-        Err(e) => return err(e),
-    };
-    if a.console {
-        if let Some(stdin) = vm.child.stdin.take() {
-            let pid = vm.child.id();
-            let sock = a.api_sock.clone();
-            std::thread::spawn(move || forward_console(stdin, pid, sock));
-        }
-    }
-    let out = match vm.wait(a.timeout.map(std::time::Duration::from_secs)) {
+    let out = match run_vm(
+        &a.jail,
+        &vmm,
+        VmStart::Boot(&cfg),
+        dir.path(),
+        console,
+        a.api_sock.as_deref(),
+        &extra,
+        a.timeout,
+    ) {
         Ok(o) => o,
         Err(e) => return err(e),
     };
@@ -350,22 +497,21 @@ fn vm_restore(a: RestoreArgs) -> ExitCode {
         Ok(d) => d,
         Err(e) => return err(format!("cannot create a work directory: {e}")),
     };
-    let extra: Vec<String> = a
-        .api_sock
-        .iter()
-        .flat_map(|p| ["--api-sock".to_string(), p.display().to_string()])
-        .collect();
     let console = if a.json {
         Console::Stderr
     } else {
         Console::Inherit
     };
-    let vm = match ember_vmm::launcher::launch_restore(&vmm, &a.snapshot, dir.path(), console, &extra)
-    {
-        Ok(v) => v,
-        Err(e) => return err(e),
-    };
-    match vm.wait(a.timeout.map(std::time::Duration::from_secs)) {
+    match run_vm(
+        &a.jail,
+        &vmm,
+        VmStart::Restore(&a.snapshot),
+        dir.path(),
+        console,
+        a.api_sock.as_deref(),
+        &[],
+        a.timeout,
+    ) {
         Ok(out) => report_outcome(&out, a.json, serde_json::json!({ "snapshot": a.snapshot })),
         Err(e) => err(e),
     }

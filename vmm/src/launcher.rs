@@ -147,7 +147,8 @@ pub fn launch(
     std::fs::write(&cfg_path, json).map_err(io("cannot write", &cfg_path))?;
     let mut args: Vec<std::ffi::OsString> = vec!["--config".into(), cfg_path.into()];
     args.extend(extra_args.iter().map(Into::into));
-    launch_args(binary, &args, workdir, console)
+    let report = workdir.join("report.jsonl");
+    launch_args(binary, &args, &report, &report, console)
 }
 
 /// Spawns `ember-vmm --restore SNAPSHOT` (plus `extra_args`), work files in `workdir`.
@@ -160,17 +161,21 @@ pub fn launch_restore(
 ) -> Result<LaunchedVm, LaunchError> {
     let mut args: Vec<std::ffi::OsString> = vec!["--restore".into(), snapshot.into()];
     args.extend(extra_args.iter().map(Into::into));
-    launch_args(binary, &args, workdir, console)
+    let report = workdir.join("report.jsonl");
+    launch_args(binary, &args, &report, &report, console)
 }
 
-/// Spawns `ember-vmm` with `args` plus `--report` into `workdir`.
+/// Spawns `binary` (`ember-vmm`, or a jailer that execs it) with `args` plus
+/// `--report REPORT_ARG`; `report` is where the host reads that file (they differ when the
+/// VMM runs in a jail).
 pub fn launch_args(
     binary: &Path,
     args: &[std::ffi::OsString],
-    workdir: &Path,
+    report: &Path,
+    report_arg: &Path,
     console: Console,
 ) -> Result<LaunchedVm, LaunchError> {
-    let report = workdir.join("report.jsonl");
+    let report = report.to_path_buf();
     let io = |what, path: &Path| {
         let path = path.to_path_buf();
         move |source| LaunchError::Io { what, path, source }
@@ -178,7 +183,7 @@ pub fn launch_args(
     let mut cmd = Command::new(binary);
     cmd.args(args)
         .arg("--report")
-        .arg(&report)
+        .arg(report_arg)
         .stdin(Stdio::null());
     match console {
         Console::Inherit => cmd.stdout(Stdio::inherit()),

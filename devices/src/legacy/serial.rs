@@ -122,7 +122,7 @@ impl BusDevice for Serial {
             if let Err(e) = self.inner.write(off, *b) {
                 tracing::warn!("serial write at offset {off}: {e:?}");
             }
-            if off == 1 && !dlab && *b & IER_RDI as u8 != 0 {
+            if off == 1 && !dlab && *b & IER_RDI != 0 {
                 if let Some(e) = &self.input_ready {
                     let _ = e.write(1);
                 }
@@ -253,7 +253,12 @@ mod tests {
         s.write(1, &[1]);
         s.enqueue_input(b"ab").unwrap();
         let snap = s.snapshot();
-        let mut r = Serial::from_snapshot(&snap, EventTrigger::new().unwrap(), Box::new(std::io::sink()), None)
+        let mut r = Serial::from_snapshot(
+            &snap,
+            EventTrigger::new().unwrap(),
+            Box::new(std::io::sink()),
+            None,
+        )
         .unwrap();
         let mut b = [0u8];
         r.read(7, &mut b);
@@ -263,7 +268,12 @@ mod tests {
         // A hostile snapshot cannot overfill the FIFO.
         let mut big = snap.clone();
         big.in_buffer = vec![0; 100_000];
-        let r = Serial::from_snapshot(&big, EventTrigger::new().unwrap(), Box::new(std::io::sink()), None)
+        let r = Serial::from_snapshot(
+            &big,
+            EventTrigger::new().unwrap(),
+            Box::new(std::io::sink()),
+            None,
+        )
         .unwrap();
         assert!(r.snapshot().in_buffer.len() <= 64);
     }

@@ -10,7 +10,8 @@
 //!   the control socket) in `Vm::run` once the vCPU threads are spawned and before the event
 //!   loop first runs. Installing it after the spawns keeps the vCPU threads out of it (a thread
 //!   inherits the filters of the thread that created it), so each vCPU thread is bound by the
-//!   vCPU list alone.
+//!   vCPU list alone;
+//! - **the prefetch thread** of a restore ([`ThreadKind::Prefetch`]) first thing in the thread.
 //!
 //! A syscall outside the list kills the whole process (`SECCOMP_RET_KILL_PROCESS`, the VMM
 //! dies by `SIGSYS`) in [`SeccompMode::Kill`]. [`SeccompMode::Log`] lets it through and has
@@ -25,7 +26,7 @@
 //! # Test hook
 //! With `EMBER_VMM_TEST_FORBIDDEN_SYSCALL=1` (or `main`) in the environment when [`set_mode`]
 //! runs, [`install_configured`] makes a syscall that no list allows right after installing the
-//! main thread's filter; with `vcpu`, right after a vCPU thread's. The tests use it to check
+//! main thread's filter; with `vcpu` (or `prefetch`), right after a vCPU (prefetch) thread's. The tests use it to check
 //! that the filters are really in force (the VMM dies by `SIGSYS` in `kill` mode and goes on in
 //! `log` and `off` modes). The syscall is `personality(0xffffffff)`, which only reads the
 //! execution domain, so the variable is harmless in production: without a filter nothing
@@ -51,17 +52,21 @@ pub enum ThreadKind {
     Main,
     /// A vCPU thread: `KVM_RUN`, port-I/O and MMIO dispatch, state save on pause.
     Vcpu,
+    /// The helper thread of a restore that prefetches the snapshot's working set
+    /// (`--prefetch async`): `madvise(MADV_POPULATE_READ)` on guest memory, one report line.
+    Prefetch,
 }
 
 impl ThreadKind {
     /// Every kind.
-    pub const ALL: [ThreadKind; 2] = [ThreadKind::Main, ThreadKind::Vcpu];
+    pub const ALL: [ThreadKind; 3] = [ThreadKind::Main, ThreadKind::Vcpu, ThreadKind::Prefetch];
 
     /// The name of its filter (and of its JSON file under `vmm/seccomp/`).
     pub fn name(self) -> &'static str {
         match self {
             ThreadKind::Main => "main",
             ThreadKind::Vcpu => "vcpu",
+            ThreadKind::Prefetch => "prefetch",
         }
     }
 
@@ -78,6 +83,8 @@ impl ThreadKind {
             (ThreadKind::Main, SeccompMode::Log) => bpf!("main-log"),
             (ThreadKind::Vcpu, SeccompMode::Kill) => bpf!("vcpu-kill"),
             (ThreadKind::Vcpu, SeccompMode::Log) => bpf!("vcpu-log"),
+            (ThreadKind::Prefetch, SeccompMode::Kill) => bpf!("prefetch-kill"),
+            (ThreadKind::Prefetch, SeccompMode::Log) => bpf!("prefetch-log"),
         })
     }
 }
@@ -208,6 +215,7 @@ pub fn set_mode(mode: SeccompMode) {
     let hook = match std::env::var(TEST_HOOK_ENV).as_deref() {
         Ok("1") | Ok("main") => hook_code(ThreadKind::Main),
         Ok("vcpu") => hook_code(ThreadKind::Vcpu),
+        Ok("prefetch") => hook_code(ThreadKind::Prefetch),
         _ => HOOK_NONE,
     };
     HOOK.store(hook, Ordering::SeqCst);
@@ -217,6 +225,7 @@ fn hook_code(kind: ThreadKind) -> u8 {
     match kind {
         ThreadKind::Main => 1,
         ThreadKind::Vcpu => 2,
+        ThreadKind::Prefetch => 3,
     }
 }
 

@@ -1,0 +1,246 @@
+//! Running `ember-vmm` inside `ember-jailer`: the jail's files, the in-jail paths the VMM is
+//! given, and clean-up afterwards.
+//!
+//! Layout inside the jail: `/ember-vmm` (a copy), `/vmlinux` and `/disk0`, `/disk1`, … (hard
+//! links or copies; read-only unless the disk is), `/snapshot` for restores, and `/work`
+//! (owned by the jail's uid) holding `vm.json`, `report.jsonl` and `api.sock`.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use ember_jailer::{CgroupLimits, CleanupConfig, FileSpec, JailConfig};
+use ember_vmm::vm::{DiskMode, VmConfig};
+
+/// How to jail a VM.
+#[derive(Debug, Clone)]
+pub struct JailOptions {
+    /// The jailer binary.
+    pub jailer: PathBuf,
+    /// uid the VMM runs as.
+    pub uid: u32,
+    /// gid the VMM runs as.
+    pub gid: u32,
+    /// Where jails are built.
+    pub chroot_base: PathBuf,
+    /// Cgroup limits.
+    pub limits: CgroupLimits,
+    /// Run the VMM as pid 1 of its own PID namespace.
+    pub new_pid_ns: bool,
+}
+
+/// A prepared jailed launch.
+#[derive(Debug)]
+pub struct JailedLaunch {
+    /// The jail's configuration.
+    pub config: JailConfig,
+    /// Arguments for `ember-jailer` (the VMM's come after `--`, the launcher appends
+    /// `--report`).
+    pub args: Vec<OsString>,
+    /// Where the host reads the VMM's report.
+    pub report_host: PathBuf,
+    /// The report path as the VMM sees it.
+    pub report_in_jail: PathBuf,
+    /// The control socket as the host reaches it.
+    pub api_sock_host: PathBuf,
+}
+
+/// Errors preparing a jail.
+#[derive(Debug, thiserror::Error)]
+pub enum JailSetupError {
+    /// Files in the work directory.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What.
+        what: &'static str,
+        /// Where.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The VMM's shared libraries could not be listed.
+    #[error("cannot list the shared libraries of {0}: {1}")]
+    Libraries(PathBuf, String),
+}
+
+/// The ELF interpreter and shared libraries `binary` needs (empty for a static binary), as
+/// the dynamic loader resolves them on this host.
+pub fn shared_libraries(binary: &Path) -> Result<Vec<PathBuf>, JailSetupError> {
+    let out = std::process::Command::new("ldd")
+        .arg(binary)
+        .output()
+        .map_err(|e| JailSetupError::Libraries(binary.to_path_buf(), e.to_string()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if text.contains("not a dynamic executable") || text.contains("statically linked") {
+        return Ok(Vec::new());
+    }
+    let mut libs = Vec::new();
+    for line in text.lines() {
+        let line = line.trim();
+        // "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)" or "/lib64/ld-linux... (0x...)"
+        let path = match line.split_once("=>") {
+            Some((_, rhs)) => rhs.split_whitespace().next(),
+            None => line.split_whitespace().next().filter(|p| p.starts_with('/')),
+        };
+        if let Some(p) = path.filter(|p| p.starts_with('/')) {
+            libs.push(PathBuf::from(p));
+        }
+    }
+    if libs.is_empty() && !out.status.success() {
+        return Err(JailSetupError::Libraries(
+            binary.to_path_buf(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ));
+    }
+    Ok(libs)
+}
+
+fn file(src: &Path, dest: &str, writable: bool) -> FileSpec {
+    FileSpec {
+        src: src.to_path_buf(),
+        dest: PathBuf::from(dest),
+        writable,
+    }
+}
+
+fn common(
+    opts: &JailOptions,
+    id: &str,
+    vmm: &Path,
+    workdir: &Path,
+) -> Result<JailConfig, JailSetupError> {
+    let mut cfg = JailConfig::new(id, vmm, opts.uid, opts.gid, &opts.chroot_base);
+    cfg.limits = opts.limits.clone();
+    cfg.new_pid_ns = opts.new_pid_ns;
+    for lib in shared_libraries(vmm)? {
+        let dest = lib.display().to_string();
+        cfg.files.push(file(&lib, &dest, false));
+    }
+    cfg.files.push(file(workdir, "/work", true));
+    Ok(cfg)
+}
+
+fn finish(cfg: JailConfig, vmm_args: Vec<String>) -> JailedLaunch {
+    let mut cfg = cfg;
+    cfg.vmm_args = vmm_args;
+    let args = cfg.to_args().into_iter().map(OsString::from).collect();
+    JailedLaunch {
+        report_host: cfg.host_path(Path::new("/work/report.jsonl")),
+        report_in_jail: PathBuf::from("/work/report.jsonl"),
+        api_sock_host: cfg.host_path(Path::new("/work/api.sock")),
+        config: cfg,
+        args,
+    }
+}
+
+/// A jailed cold boot of `vm`: rewrites its paths to in-jail ones.
+pub fn boot(
+    opts: &JailOptions,
+    id: &str,
+    vmm: &Path,
+    vm: &VmConfig,
+    workdir: &Path,
+    extra_vmm_args: &[String],
+) -> Result<JailedLaunch, JailSetupError> {
+    let mut cfg = common(opts, id, vmm, workdir)?;
+    let mut inner = vm.clone();
+    cfg.files.push(file(&vm.kernel, "/vmlinux", false));
+    inner.kernel = PathBuf::from("/vmlinux");
+    for (i, d) in inner.disks.iter_mut().enumerate() {
+        let dest = format!("/disk{i}");
+        cfg.files
+            .push(file(&d.path, &dest, d.mode == DiskMode::ReadWrite));
+        d.path = PathBuf::from(dest);
+    }
+    let json = serde_json::to_vec_pretty(&inner).map_err(|e| JailSetupError::Io {
+        what: "cannot encode",
+        path: workdir.join("vm.json"),
+        source: std::io::Error::other(e),
+    })?;
+    let vm_json = workdir.join("vm.json");
+    std::fs::write(&vm_json, json).map_err(|source| JailSetupError::Io {
+        what: "cannot write",
+        path: vm_json,
+        source,
+    })?;
+    let mut args = vec!["--config".to_string(), "/work/vm.json".to_string()];
+    args.extend(extra_vmm_args.iter().cloned());
+    Ok(finish(cfg, args))
+}
+
+/// A jailed restore of the snapshot in `snapshot`.
+pub fn restore(
+    opts: &JailOptions,
+    id: &str,
+    vmm: &Path,
+    snapshot: &Path,
+    workdir: &Path,
+    extra_vmm_args: &[String],
+) -> Result<JailedLaunch, JailSetupError> {
+    let mut cfg = common(opts, id, vmm, workdir)?;
+    cfg.files.push(file(snapshot, "/snapshot", false));
+    let mut args = vec!["--restore".to_string(), "/snapshot".to_string()];
+    args.extend(extra_vmm_args.iter().cloned());
+    Ok(finish(cfg, args))
+}
+
+/// Removes a jail after its VMM exited.
+pub fn cleanup(cfg: &JailConfig) -> Result<(), String> {
+    ember_jailer::cleanup(&CleanupConfig::for_jail(cfg))
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// A fresh jail id.
+pub fn new_id() -> String {
+    let mut b = [0u8; 6];
+    // SAFETY: getrandom writes at most `b.len()` bytes into `b`.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    let r: u64 = if n == b.len() as isize {
+        b.iter().fold(0, |a, x| (a << 8) | u64::from(*x))
+    } else {
+        u64::from(std::process::id()) << 16
+    };
+    format!("vm-{r:012x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_the_loader_and_libc_of_a_dynamic_binary() {
+        let libs = shared_libraries(Path::new("/bin/sh")).unwrap();
+        assert!(libs.iter().any(|p| p.to_string_lossy().contains("libc.so")), "{libs:?}");
+        assert!(libs.iter().any(|p| p.to_string_lossy().contains("ld-linux")), "{libs:?}");
+    }
+
+    #[test]
+    fn boot_rewrites_paths_into_the_jail() {
+        let work = tempfile::tempdir().unwrap();
+        let opts = JailOptions {
+            jailer: "/usr/bin/true".into(),
+            uid: 10000,
+            gid: 10000,
+            chroot_base: "/srv/jail".into(),
+            limits: CgroupLimits::default(),
+            new_pid_ns: false,
+        };
+        let mut vm = VmConfig::new("/k/vmlinux".into());
+        vm.disks.push(ember_vmm::vm::DiskConfig {
+            path: "/images/root.ext4".into(),
+            mode: DiskMode::ReadOnly,
+            id: "rootfs".into(),
+        });
+        let j = boot(&opts, "vm-1", Path::new("/bin/sh"), &vm, work.path(), &[]).unwrap();
+        let inner: VmConfig =
+            serde_json::from_slice(&std::fs::read(work.path().join("vm.json")).unwrap()).unwrap();
+        assert_eq!(inner.kernel, PathBuf::from("/vmlinux"));
+        assert_eq!(inner.disks[0].path, PathBuf::from("/disk0"));
+        assert!(j.config.files.iter().any(|f| f.dest == Path::new("/disk0") && !f.writable));
+        assert_eq!(j.report_host, PathBuf::from("/srv/jail/vm-1/root/work/report.jsonl"));
+        let args: Vec<String> = j.args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+        let dd = args.iter().position(|a| a == "--").unwrap();
+        assert_eq!(&args[dd + 1..], ["--config", "/work/vm.json"]);
+        assert!(new_id().starts_with("vm-"));
+    }
+}

@@ -1,0 +1,666 @@
+//! Seccomp filters, checked on real processes.
+//!
+//! - The `ember-vmm` binary with its filters on boots a hand-assembled guest (one and four
+//!   vCPUs), and its test hook (`EMBER_VMM_TEST_FORBIDDEN_SYSCALL`) kills it by `SIGSYS` in
+//!   `kill` mode, on the main thread and on a vCPU thread, while `log` and `off` go on.
+//! - Probes: this test binary re-runs itself with `EMBER_SECCOMP_PROBE=<kind>:<action>`; the
+//!   child installs one filter on a fresh thread, does one thing, and either reports
+//!   `PROBE-OK` or dies by `SIGSYS`. That checks each filter loads, that what the VMM needs is
+//!   allowed (thread exit included) and that the argument filters refuse what they should.
+//! - The numbers in `vmm/seccomp/*.json` match the constants their comments name.
+//!
+//! Tests that run the VMM skip (with a message) where /dev/kvm is missing; the probes need
+//! neither KVM nor root.
+
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use ember_vmm::seccomp::{self, SeccompMode, ThreadKind, TEST_HOOK_ENV};
+
+const PROBE_ENV: &str = "EMBER_SECCOMP_PROBE";
+const PROBE_DIR_ENV: &str = "EMBER_SECCOMP_PROBE_DIR";
+const PROBE_OK: &str = "PROBE-OK";
+
+// ---------------------------------------------------------------------------------------
+// The VMM binary with a tiny guest.
+
+const LOAD_ADDR: u64 = 0x20_0000;
+
+/// A minimal ELF64 executable whose single segment holds `code`, entered at its first byte
+/// (the same guest as `mini_guest.rs`).
+fn elf_with_code(code: &[u8]) -> Vec<u8> {
+    let code_off: u64 = 64 + 56;
+    let total = code_off + code.len() as u64;
+    let mut e = Vec::new();
+    e.extend_from_slice(b"\x7fELF");
+    e.extend_from_slice(&[2, 1, 1, 0]);
+    e.extend_from_slice(&[0; 8]);
+    e.extend_from_slice(&2u16.to_le_bytes()); // ET_EXEC
+    e.extend_from_slice(&0x3eu16.to_le_bytes()); // x86-64
+    e.extend_from_slice(&1u32.to_le_bytes());
+    e.extend_from_slice(&(LOAD_ADDR + code_off).to_le_bytes()); // entry
+    e.extend_from_slice(&64u64.to_le_bytes()); // phoff
+    e.extend_from_slice(&0u64.to_le_bytes()); // shoff
+    e.extend_from_slice(&0u32.to_le_bytes()); // flags
+    e.extend_from_slice(&64u16.to_le_bytes()); // ehsize
+    e.extend_from_slice(&56u16.to_le_bytes()); // phentsize
+    e.extend_from_slice(&1u16.to_le_bytes()); // phnum
+    e.extend_from_slice(&[0; 6]);
+    e.extend_from_slice(&1u32.to_le_bytes()); // PT_LOAD
+    e.extend_from_slice(&5u32.to_le_bytes()); // R+X
+    e.extend_from_slice(&0u64.to_le_bytes());
+    e.extend_from_slice(&LOAD_ADDR.to_le_bytes());
+    e.extend_from_slice(&LOAD_ADDR.to_le_bytes());
+    e.extend_from_slice(&total.to_le_bytes());
+    e.extend_from_slice(&total.to_le_bytes());
+    e.extend_from_slice(&0x1000u64.to_le_bytes());
+    e.extend_from_slice(code);
+    e
+}
+
+/// Writes boot-marker byte 7, prints "ok\n" on COM1, then resets through the i8042: port I/O
+/// to the boot marker (report file write on the vCPU thread), the serial port (stdout write),
+/// and the reset eventfd, then the whole exit path.
+const MARKER_SERIAL_RESET: &[u8] = &[
+    0x66, 0xba, 0xf0, 0x0e, // mov dx, 0x0ef0
+    0xb0, 0x07, // mov al, 7
+    0xee, // out dx, al
+    0x66, 0xba, 0xf8, 0x03, // mov dx, 0x3f8
+    0xb0, b'o', 0xee, // mov al, 'o'; out dx, al
+    0xb0, b'k', 0xee, // mov al, 'k'; out dx, al
+    0xb0, b'\n', 0xee, // mov al, '\n'; out dx, al
+    0xb0, 0xfe, // mov al, 0xfe
+    0xe6, 0x64, // out 0x64, al
+    0xf4, // hlt
+    0xeb, 0xfd, // jmp back to hlt
+];
+
+fn kvm_available() -> bool {
+    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("skipping: /dev/kvm is not usable here ({e})");
+            false
+        }
+    }
+}
+
+/// No core files from the processes we expect to die.
+fn no_core_dumps(cmd: &mut Command) -> &mut Command {
+    // SAFETY: the closure runs in the child between fork and exec and only calls setrlimit,
+    // which is async-signal-safe, on a local struct.
+    unsafe {
+        cmd.pre_exec(|| {
+            let zero = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            libc::setrlimit(libc::RLIMIT_CORE, &zero);
+            Ok(())
+        })
+    }
+}
+
+struct Vmm {
+    dir: tempfile::TempDir,
+    kernel: PathBuf,
+}
+
+impl Vmm {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let kernel = dir.path().join("mini.elf");
+        std::fs::write(&kernel, elf_with_code(MARKER_SERIAL_RESET)).unwrap();
+        Self { dir, kernel }
+    }
+
+    /// Runs `ember-vmm` on the mini guest. `mode` None: no `--seccomp` flag (the default).
+    fn run(&self, mode: Option<&str>, hook: Option<&str>, extra: &[&str]) -> Output {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ember-vmm"));
+        cmd.arg("--kernel")
+            .arg(&self.kernel)
+            .args(["--mem-mib", "64", "--serial", "stdout", "--report"])
+            .arg(self.dir.path().join("report.jsonl"))
+            .args(extra)
+            .env_remove("EMBER_SECCOMP")
+            .env_remove(TEST_HOOK_ENV);
+        if let Some(m) = mode {
+            cmd.args(["--seccomp", m]);
+        }
+        if let Some(h) = hook {
+            cmd.env(TEST_HOOK_ENV, h);
+        }
+        no_core_dumps(&mut cmd).output().expect("spawn ember-vmm")
+    }
+}
+
+fn describe(o: &Output) -> String {
+    format!(
+        "status {:?} (signal {:?})\nstdout: {}\nstderr: {}",
+        o.status.code(),
+        o.status.signal(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn assert_booted(o: &Output) {
+    assert!(o.status.success(), "{}", describe(o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "ok\n", "{}", describe(o));
+}
+
+fn assert_sigsys(o: &Output) {
+    assert_eq!(o.status.signal(), Some(libc::SIGSYS), "{}", describe(o));
+}
+
+#[test]
+fn kill_mode_boots_the_mini_guest() {
+    if !kvm_available() {
+        return;
+    }
+    let vmm = Vmm::new();
+    assert_booted(&vmm.run(Some("kill"), None, &[]));
+}
+
+#[test]
+fn kill_mode_boots_the_mini_guest_with_four_vcpus() {
+    // The three application processors wait for INIT/SIPI inside KVM_RUN and are kicked
+    // out of it at exit: their threads run the pause-free part of the vCPU list.
+    if !kvm_available() {
+        return;
+    }
+    let vmm = Vmm::new();
+    assert_booted(&vmm.run(Some("kill"), None, &["--vcpus", "4"]));
+}
+
+#[test]
+fn the_hook_on_the_main_thread_dies_by_sigsys() {
+    if !kvm_available() {
+        return;
+    }
+    let vmm = Vmm::new();
+    assert_sigsys(&vmm.run(Some("kill"), Some("1"), &[]));
+    assert_sigsys(&vmm.run(Some("kill"), Some("main"), &[]));
+}
+
+#[test]
+fn the_hook_on_a_vcpu_thread_dies_by_sigsys() {
+    if !kvm_available() {
+        return;
+    }
+    let vmm = Vmm::new();
+    assert_sigsys(&vmm.run(Some("kill"), Some("vcpu"), &[]));
+}
+
+#[test]
+fn filters_are_on_by_default() {
+    if !kvm_available() {
+        return;
+    }
+    let vmm = Vmm::new();
+    assert_sigsys(&vmm.run(None, Some("1"), &[]));
+}
+
+#[test]
+fn log_and_off_modes_survive_the_hook() {
+    if !kvm_available() {
+        return;
+    }
+    let vmm = Vmm::new();
+    for mode in ["log", "off"] {
+        for hook in ["main", "vcpu"] {
+            let o = vmm.run(Some(mode), Some(hook), &[]);
+            assert_booted(&o);
+        }
+    }
+}
+
+#[test]
+fn a_bad_mode_is_a_usage_error() {
+    let vmm = Vmm::new();
+    let o = vmm.run(Some("trap"), None, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", describe(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("kill, log or off"), "{}", describe(&o));
+}
+
+// ---------------------------------------------------------------------------------------
+// Probes: one filter, one action, in a child process.
+
+fn kind_named(name: &str) -> ThreadKind {
+    ThreadKind::ALL
+        .into_iter()
+        .find(|k| k.name() == name)
+        .unwrap_or_else(|| panic!("no thread kind {name:?}"))
+}
+
+/// The child side: runs when `EMBER_SECCOMP_PROBE` is set, passes trivially otherwise.
+#[test]
+fn probe_child() {
+    let Ok(spec) = std::env::var(PROBE_ENV) else {
+        return;
+    };
+    let (kind, action) = spec.split_once(':').expect("kind:action");
+    let kind = kind_named(kind);
+    let dir = PathBuf::from(std::env::var_os(PROBE_DIR_ENV).expect("probe dir"));
+    // Anything the action needs opened must be opened before the filter.
+    let dev_null = std::fs::File::open("/dev/null").unwrap();
+    // Like the VMM's control socket, a listener is bound during set-up.
+    let listener = (action == "control_socket")
+        .then(|| std::os::unix::net::UnixListener::bind(dir.join("s.sock")).unwrap());
+    // The signals the tgkill probes send are ignored (rt_sigaction is a set-up syscall).
+    // SAFETY: SIG_IGN for two signals this child process does not otherwise use.
+    unsafe {
+        libc::signal(libc::SIGRTMIN(), libc::SIG_IGN);
+        libc::signal(libc::SIGUSR1, libc::SIG_IGN);
+    }
+    let action = action.to_string();
+    // A fresh thread, so the test harness's own threads stay unfiltered; its exit path runs
+    // under the filter, as a VMM thread's does.
+    let t = std::thread::spawn(move || {
+        seccomp::install(kind, SeccompMode::Kill).expect("install");
+        run_action(&action, &dir, &dev_null, listener);
+    });
+    t.join().expect("probe thread");
+    println!("{PROBE_OK}");
+}
+
+fn run_action(
+    action: &str,
+    dir: &Path,
+    dev_null: &std::fs::File,
+    listener: Option<std::os::unix::net::UnixListener>,
+) {
+    use std::os::unix::io::AsRawFd;
+    let fd = dev_null.as_raw_fd();
+    // SAFETY (for every block below): each call passes valid arguments (owned descriptors,
+    // null or freshly mapped addresses, NUL-terminated strings); the probe only looks at
+    // whether the kernel lets the syscall through.
+    match action {
+        "nothing" => {}
+        "openat" => {
+            let _ = std::fs::File::open("/dev/null");
+        }
+        "execve" => {
+            let path = c"/bin/true";
+            let argv = [path.as_ptr(), std::ptr::null()];
+            let envp = [std::ptr::null()];
+            // SAFETY: see above.
+            unsafe { libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
+        }
+        "socket_unix" => {
+            // SAFETY: see above.
+            let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+            assert!(s >= 0, "socket(AF_UNIX) failed");
+            // SAFETY: `s` is a descriptor we own.
+            unsafe { libc::close(s) };
+        }
+        "socket_inet" => {
+            // SAFETY: see above.
+            unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+        }
+        "mmap_anon" => {
+            // SAFETY: see above.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    4096,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED);
+            // SAFETY: `p` is the 4 KiB mapping made above.
+            unsafe { libc::munmap(p, 4096) };
+        }
+        "madvise_populate" => {
+            // SAFETY: see above.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    8192,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED);
+            // SAFETY: `p` is the 8 KiB mapping made above; madvise does not change its contents.
+            unsafe {
+                libc::madvise(p, 8192, 22); // MADV_POPULATE_READ (EINVAL before Linux 5.14)
+                libc::madvise(p, 8192, libc::MADV_WILLNEED);
+                libc::munmap(p, 8192);
+            }
+        }
+        "mmap_exec" => {
+            // SAFETY: see above.
+            unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    4096,
+                    libc::PROT_READ | libc::PROT_EXEC,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+        }
+        "mmap_file" => {
+            // SAFETY: see above.
+            unsafe {
+                libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ, libc::MAP_PRIVATE, fd, 0)
+            };
+        }
+        "mprotect_exec" => {
+            // SAFETY: see above.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    4096,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED);
+            // SAFETY: `p` is the 4 KiB mapping made above.
+            unsafe { libc::mprotect(p, 4096, libc::PROT_READ | libc::PROT_EXEC) };
+        }
+        "ioctl_kvm_run" => {
+            // Allowed on vCPU threads whatever the descriptor: /dev/null answers ENOTTY.
+            // SAFETY: see above.
+            let r = unsafe { libc::ioctl(fd, 0xae80 as _, 0) };
+            assert_eq!(r, -1);
+        }
+        "ioctl_kvm_create_vm" => {
+            // SAFETY: see above.
+            unsafe { libc::ioctl(fd, 0xae01 as _, 0) };
+        }
+        "ioctl_tiocsti" => {
+            // SAFETY: see above.
+            unsafe { libc::ioctl(fd, libc::TIOCSTI as _, c"x".as_ptr()) };
+        }
+        "tgkill_kick" => {
+            // The kick signal (ignored, see probe_child), sent to ourselves.
+            // SAFETY: see above.
+            unsafe {
+                libc::syscall(libc::SYS_tgkill, libc::getpid(), libc::gettid(), libc::SIGRTMIN())
+            };
+        }
+        "tgkill_sigusr1" => {
+            // SIGUSR1 is ignored (see probe_child) in case the filter lets it through.
+            // SAFETY: see above.
+            unsafe {
+                libc::syscall(libc::SYS_tgkill, libc::getpid(), libc::gettid(), libc::SIGUSR1)
+            };
+        }
+        "snapshot_files" => {
+            // What writing a snapshot directory does: mkdir -p, create, write, punch a hole,
+            // truncate, fsync files and directories, rename into place, list, stat, read back,
+            // remove; plus the stats request's /proc/self/statm.
+            let tmp = dir.join("parent/.snap.tmp");
+            std::fs::create_dir_all(&tmp).unwrap();
+            let f = tmp.join("memory");
+            let file = std::fs::OpenOptions::new().create(true).write(true).truncate(true).open(&f).unwrap();
+            file.set_len(1 << 20).unwrap();
+            use std::os::unix::fs::FileExt;
+            file.write_all_at(&[1u8; 4096], 8192).unwrap();
+            // SAFETY: see above.
+            let r = unsafe {
+                libc::fallocate(
+                    file.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    0,
+                    4096,
+                )
+            };
+            assert!(r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP));
+            file.sync_all().unwrap();
+            file.sync_data().unwrap();
+            let mut back = [0u8; 16];
+            file.read_at(&mut back, 8192).ok();
+            drop(file);
+            std::fs::write(tmp.join("state"), b"state").unwrap();
+            std::fs::File::open(&tmp).unwrap().sync_all().unwrap();
+            let done = dir.join("parent/snap");
+            std::fs::rename(&tmp, &done).unwrap();
+            assert_eq!(std::fs::read_dir(&done).unwrap().count(), 2);
+            assert_eq!(std::fs::metadata(done.join("memory")).unwrap().len(), 1 << 20);
+            assert_eq!(std::fs::read(done.join("state")).unwrap(), b"state");
+            std::fs::remove_file(done.join("state")).unwrap();
+            std::fs::remove_dir_all(dir.join("parent")).unwrap();
+            let _ = std::fs::read_to_string("/proc/self/statm");
+        }
+        "control_socket" => {
+            // The control socket's server side (accept on a listener bound before the filter,
+            // clone, write timeout, non-blocking mode, read, reply) and the client side a vsock
+            // back end needs (AF_UNIX socket, connect, shutdown).
+            use std::io::{Read, Write};
+            use std::os::unix::net::UnixStream;
+            let listener = listener.expect("the control_socket probe binds a listener first");
+            let path = dir.join("s.sock");
+            let mut c = UnixStream::connect(&path).unwrap();
+            let (mut s, _) = listener.accept().unwrap();
+            let w = s.try_clone().unwrap();
+            w.set_write_timeout(Some(std::time::Duration::from_secs(1))).unwrap();
+            s.set_nonblocking(true).unwrap();
+            c.write_all(b"ping\n").unwrap();
+            let mut b = [0u8; 5];
+            s.set_nonblocking(false).unwrap();
+            s.read_exact(&mut b).unwrap();
+            (&w).write_all(b"pong\n").unwrap();
+            c.read_exact(&mut b).unwrap();
+            c.shutdown(std::net::Shutdown::Both).unwrap();
+        }
+        other => panic!("unknown probe action {other:?}"),
+    }
+}
+
+/// Runs one probe in a child process.
+fn probe(kind: &str, action: &str) -> Output {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "probe_child", "--nocapture", "--test-threads=1"])
+        .env(PROBE_ENV, format!("{kind}:{action}"))
+        .env(PROBE_DIR_ENV, dir.path());
+    let o = no_core_dumps(&mut cmd).output().expect("spawn probe");
+    drop(dir);
+    o
+}
+
+fn assert_allowed(kind: &str, action: &str) {
+    let o = probe(kind, action);
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains(PROBE_OK),
+        "{kind} filter should allow {action}: {}",
+        describe(&o)
+    );
+}
+
+fn assert_refused(kind: &str, action: &str) {
+    let o = probe(kind, action);
+    assert_eq!(
+        o.status.signal(),
+        Some(libc::SIGSYS),
+        "{kind} filter should refuse {action}: {}",
+        describe(&o)
+    );
+}
+
+#[test]
+fn every_filter_loads_and_lets_its_thread_exit() {
+    for kind in ThreadKind::ALL {
+        assert_allowed(kind.name(), "nothing");
+    }
+}
+
+#[test]
+fn vcpu_filter_allows_kvm_run_and_memory_but_refuses_the_rest() {
+    assert_allowed("vcpu", "ioctl_kvm_run");
+    assert_allowed("vcpu", "mmap_anon");
+    for action in [
+        "openat",
+        "execve",
+        "socket_unix",
+        "socket_inet",
+        "mmap_exec",
+        "mmap_file",
+        "mprotect_exec",
+        "ioctl_kvm_create_vm",
+        "ioctl_tiocsti",
+        "tgkill_kick",
+    ] {
+        assert_refused("vcpu", action);
+    }
+}
+
+#[test]
+fn main_filter_allows_snapshots_sockets_and_kicks_but_refuses_the_rest() {
+    for action in ["snapshot_files", "control_socket", "socket_unix", "mmap_anon", "tgkill_kick"] {
+        assert_allowed("main", action);
+    }
+    for action in [
+        "execve",
+        "socket_inet",
+        "mmap_exec",
+        "mmap_file",
+        "mprotect_exec",
+        "ioctl_kvm_run",
+        "ioctl_kvm_create_vm",
+        "ioctl_tiocsti",
+        "tgkill_sigusr1",
+    ] {
+        assert_refused("main", action);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The JSON files: every named number is right.
+
+mod ioctls {
+    use kvm_bindings::*;
+    use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr, ioctl_iowr_nr};
+    const KVMIO: std::os::raw::c_uint = 0xAE;
+    ioctl_io_nr!(KVM_RUN, KVMIO, 0x80);
+    ioctl_ior_nr!(KVM_GET_REGS, KVMIO, 0x81, kvm_regs);
+    ioctl_ior_nr!(KVM_GET_SREGS, KVMIO, 0x83, kvm_sregs);
+    ioctl_iowr_nr!(KVM_GET_MSRS, KVMIO, 0x88, kvm_msrs);
+    ioctl_ior_nr!(KVM_GET_LAPIC, KVMIO, 0x8e, kvm_lapic_state);
+    ioctl_ior_nr!(KVM_GET_MP_STATE, KVMIO, 0x98, kvm_mp_state);
+    ioctl_ior_nr!(KVM_GET_VCPU_EVENTS, KVMIO, 0x9f, kvm_vcpu_events);
+    ioctl_ior_nr!(KVM_GET_DEBUGREGS, KVMIO, 0xa1, kvm_debugregs);
+    ioctl_ior_nr!(KVM_GET_XSAVE, KVMIO, 0xa4, kvm_xsave);
+    ioctl_ior_nr!(KVM_GET_XCRS, KVMIO, 0xa6, kvm_xcrs);
+    ioctl_iowr_nr!(KVM_GET_IRQCHIP, KVMIO, 0x62, kvm_irqchip);
+    ioctl_ior_nr!(KVM_GET_PIT2, KVMIO, 0x9f, kvm_pit_state2);
+    ioctl_ior_nr!(KVM_GET_CLOCK, KVMIO, 0x7c, kvm_clock_data);
+}
+
+/// The value of a constant named in a rule's comment.
+fn constant(name: &str) -> Option<u64> {
+    use ioctls::*;
+    let v: u64 = match name {
+        "KVM_RUN" => KVM_RUN().into(),
+        "KVM_GET_REGS" => KVM_GET_REGS().into(),
+        "KVM_GET_SREGS" => KVM_GET_SREGS().into(),
+        "KVM_GET_MSRS" => KVM_GET_MSRS().into(),
+        "KVM_GET_LAPIC" => KVM_GET_LAPIC().into(),
+        "KVM_GET_MP_STATE" => KVM_GET_MP_STATE().into(),
+        "KVM_GET_VCPU_EVENTS" => KVM_GET_VCPU_EVENTS().into(),
+        "KVM_GET_DEBUGREGS" => KVM_GET_DEBUGREGS().into(),
+        "KVM_GET_XSAVE" => KVM_GET_XSAVE().into(),
+        "KVM_GET_XCRS" => KVM_GET_XCRS().into(),
+        "KVM_GET_IRQCHIP" => KVM_GET_IRQCHIP().into(),
+        "KVM_GET_PIT2" => KVM_GET_PIT2().into(),
+        "KVM_GET_CLOCK" => KVM_GET_CLOCK().into(),
+        "FIONBIO" => libc::FIONBIO as u64,
+        "F_GETFD" => libc::F_GETFD as u64,
+        "F_SETFD" => libc::F_SETFD as u64,
+        "F_GETFL" => libc::F_GETFL as u64,
+        "F_SETFL" => libc::F_SETFL as u64,
+        "F_DUPFD_CLOEXEC" => libc::F_DUPFD_CLOEXEC as u64,
+        "AF_UNIX" => libc::AF_UNIX as u64,
+        "NULL" => 0,
+        "SOL_SOCKET" => libc::SOL_SOCKET as u64,
+        "SO_SNDTIMEO_OLD" => 21,
+        "SO_SNDTIMEO_NEW" => 67,
+        "SIGABRT" => libc::SIGABRT as u64,
+        "SIGRTMIN (glibc)" => 34,
+        "SIGRTMIN (musl)" => 35,
+        "PROT_EXEC" => libc::PROT_EXEC as u64,
+        "MAP_ANONYMOUS" => libc::MAP_ANONYMOUS as u64,
+        "MADV_DONTNEED" => libc::MADV_DONTNEED as u64,
+        "MADV_FREE" => libc::MADV_FREE as u64,
+        "MADV_WILLNEED" => libc::MADV_WILLNEED as u64,
+        "MADV_POPULATE_READ" => 22,
+        "FALLOC_FL_KEEP_SIZE" => libc::FALLOC_FL_KEEP_SIZE as u64,
+        "FALLOC_FL_PUNCH_HOLE" => libc::FALLOC_FL_PUNCH_HOLE as u64,
+        _ => return None,
+    };
+    Some(v)
+}
+
+#[test]
+fn this_libc_kicks_with_a_listed_sigrtmin() {
+    let s = libc::SIGRTMIN() as u64;
+    assert!(s == 34 || s == 35, "SIGRTMIN is {s}: add it to the tgkill rules");
+    assert_eq!(ember_vmm::vcpu::kick_signal(), libc::SIGRTMIN());
+}
+
+#[test]
+fn prefetch_filter_allows_populating_memory_and_nothing_else() {
+    assert_allowed("prefetch", "madvise_populate");
+    assert_allowed("prefetch", "mmap_anon");
+    for action in ["openat", "execve", "socket_unix", "mmap_exec", "mprotect_exec", "ioctl_kvm_run", "tgkill_kick"] {
+        assert_refused("prefetch", action);
+    }
+}
+
+#[test]
+fn json_numbers_match_the_constants_their_comments_name() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("seccomp");
+    let mut checked = 0;
+    for kind in ThreadKind::ALL {
+        let path = dir.join(format!("{}.json", kind.name()));
+        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let rules = json[kind.name()]["filter"].as_array().unwrap();
+        for rule in rules {
+            let syscall = rule["syscall"].as_str().unwrap();
+            assert!(
+                rule["comment"].as_str().is_some_and(|c| !c.is_empty()),
+                "{}: {syscall} has no comment saying why it is allowed",
+                path.display()
+            );
+            for cond in rule["args"].as_array().map(Vec::as_slice).unwrap_or_default() {
+                let comment = cond["comment"].as_str().unwrap_or_else(|| {
+                    panic!("{}: a condition on {syscall} names no constant", path.display())
+                });
+                let val = cond["val"].as_u64().unwrap();
+                let (negated, expr) = match comment.strip_prefix("no ") {
+                    Some(rest) => (true, rest),
+                    None => (false, comment),
+                };
+                let expected = constant(expr).unwrap_or_else(|| {
+                    expr.split(" | ")
+                        .map(|n| constant(n).unwrap_or_else(|| panic!("{}: unknown constant {n:?} on {syscall}: add it to constant()", path.display())))
+                        .fold(0, |a, b| a | b)
+                });
+                let mask = cond["op"].get("masked_eq").and_then(|m| m.as_u64());
+                if negated {
+                    assert_eq!((mask, val), (Some(expected), 0), "{}: {syscall} {comment}", path.display());
+                } else {
+                    assert_eq!(val, expected, "{}: {syscall} {comment}", path.display());
+                    if let Some(m) = mask {
+                        assert_eq!(m, expected, "{}: {syscall} {comment}", path.display());
+                    }
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 20, "only {checked} conditions checked");
+}
