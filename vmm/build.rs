@@ -15,7 +15,8 @@ const KINDS: &[&str] = &["main", "vcpu", "prefetch"];
 const MODES: &[(&str, &str)] = &[("kill", "kill_process"), ("log", "log")];
 
 fn main() {
-    let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let manifest =
+        PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR"));
     let dir = manifest.join("seccomp");
     println!("cargo:rerun-if-changed=build.rs");
@@ -49,7 +50,11 @@ fn main() {
                 .remove(*kind)
                 .unwrap_or_else(|| fail(&format!("{}: no filter named {kind:?}", path.display())));
             if program.len() > usize::from(u16::MAX) {
-                fail(&format!("{}: BPF program too long ({} instructions)", path.display(), program.len()));
+                fail(&format!(
+                    "{}: BPF program too long ({} instructions)",
+                    path.display(),
+                    program.len()
+                ));
             }
             let mut raw = Vec::with_capacity(program.len() * 8);
             for insn in &program {
@@ -72,21 +77,34 @@ fn check_shape(path: &Path, kind: &str, json: &serde_json::Value) {
         fail(&format!("{}: top level must be an object", path.display()));
     };
     if obj.len() != 1 || !obj.contains_key(kind) {
-        fail(&format!("{}: must hold exactly one filter, named {kind:?}", path.display()));
+        fail(&format!(
+            "{}: must hold exactly one filter, named {kind:?}",
+            path.display()
+        ));
     }
     let filter = &obj[kind];
     if filter["mismatch_action"] != "kill_process" {
-        fail(&format!("{}: mismatch_action must be \"kill_process\"", path.display()));
+        fail(&format!(
+            "{}: mismatch_action must be \"kill_process\"",
+            path.display()
+        ));
     }
     if filter["match_action"] != "allow" {
-        fail(&format!("{}: match_action must be \"allow\"", path.display()));
+        fail(&format!(
+            "{}: match_action must be \"allow\"",
+            path.display()
+        ));
     }
     // seccompiler drops a syscall's unconditional rule when the same syscall also has rules
     // with arguments (only the conditional ones are kept): refuse such a mix so that a
     // narrower rule never silently replaces an "allow any" one.
     let mut plain = std::collections::BTreeSet::new();
     let mut with_args = std::collections::BTreeSet::new();
-    for rule in filter["filter"].as_array().map(Vec::as_slice).unwrap_or_default() {
+    for rule in filter["filter"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+    {
         let name = rule["syscall"].as_str().unwrap_or_default().to_string();
         if rule.get("args").is_some() {
             with_args.insert(name);

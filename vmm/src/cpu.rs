@@ -70,9 +70,12 @@ pub enum HostKvm {
 }
 
 impl HostKvm {
-    /// Detects the KVM flavour behind /dev/kvm from the loaded modules.
+    /// Detects the KVM flavour behind /dev/kvm. kvm_intel and kvm_amd need VMX or SVM, so a
+    /// CPU with neither (read with the CPUID instruction, which works inside a jail without
+    /// /sys or /proc) means a page-table-based KVM; the loaded module list confirms it where
+    /// /sys is visible.
     pub fn detect() -> Self {
-        if std::path::Path::new("/sys/module/kvm_pvm").exists() {
+        if std::path::Path::new("/sys/module/kvm_pvm").exists() || !host_has_hw_virt() {
             HostKvm::Pvm
         } else {
             HostKvm::Hardware
@@ -86,6 +89,16 @@ impl HostKvm {
             HostKvm::Hardware => CpuProfile::Host,
         }
     }
+}
+
+/// Whether this CPU offers VMX (Intel, CPUID.1:ECX[5]) or SVM (AMD, CPUID.80000001h:ECX[2]).
+pub fn host_has_hw_virt() -> bool {
+    use std::arch::x86_64::__cpuid;
+    // CPUID exists on every x86-64 CPU; leaf 0x80000000 reports the highest extended leaf.
+    let vmx = __cpuid(1).ecx & (1 << 5) != 0;
+    let max_ext = __cpuid(0x8000_0000).eax;
+    let svm = max_ext >= 0x8000_0001 && __cpuid(0x8000_0001).ecx & (1 << 2) != 0;
+    vmx || svm
 }
 
 // Leaf 1 ECX.
@@ -316,6 +329,21 @@ mod tests {
         assert_eq!(b.ebx, 4);
         assert_eq!(b.edx, 3);
         assert_eq!(b.eax, 2, "shift to the package level for 4 cores");
+    }
+
+    #[test]
+    fn detection_agrees_with_the_module_list() {
+        // Where /sys shows kvm_pvm, the CPU must also lack VMX/SVM (that is why kvm_pvm is
+        // there), so CPUID-only detection (used in jails) gives the same answer.
+        if std::path::Path::new("/sys/module/kvm_pvm").exists() {
+            assert!(!host_has_hw_virt());
+        }
+        if std::path::Path::new("/sys/module/kvm_intel").exists()
+            || std::path::Path::new("/sys/module/kvm_amd").exists()
+        {
+            assert!(host_has_hw_virt());
+            assert_eq!(HostKvm::detect(), HostKvm::Hardware);
+        }
     }
 
     #[test]

@@ -9,8 +9,11 @@ use ember_devices::legacy::{
     BootMarker, EventTrigger, Serial, BOOT_MARKER_PORT, I8042, I8042_PORT_BASE, I8042_PORT_LEN,
     SERIAL_COM1_BASE, SERIAL_COM1_IRQ, SERIAL_PORT_LEN,
 };
-use ember_devices::virtio::mmio::{MmioTransport, MMIO_WINDOW_LEN, NOTIFY_OFFSET};
-use ember_devices::virtio::VirtioDevice;
+use ember_devices::virtio::block::Block;
+use ember_devices::virtio::mmio::{MmioTransport, MmioTransportState, MMIO_WINDOW_LEN, NOTIFY_OFFSET};
+use ember_devices::virtio::net::Net;
+use ember_devices::virtio::vsock::Vsock;
+use ember_devices::virtio::{Interrupt, QueueSnapshot, VirtioDevice};
 use ember_devices::GuestMemoryMmap;
 use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
 use kvm_ioctls::{IoEventAddress, VmFd};
@@ -52,6 +55,17 @@ pub enum DeviceError {
     Transport(String),
 }
 
+/// A placed virtio device with its concrete type (for snapshots).
+#[derive(Debug, Clone)]
+pub enum VirtioHandle {
+    /// virtio-blk.
+    Block(Arc<Mutex<Block>>),
+    /// virtio-net.
+    Net(Arc<Mutex<Net>>),
+    /// virtio-vsock.
+    Vsock(Arc<Mutex<Vsock>>),
+}
+
 /// One virtio device as placed.
 #[derive(Debug, Clone)]
 pub struct VirtioSlot {
@@ -61,6 +75,8 @@ pub struct VirtioSlot {
     pub irq: u32,
     /// The transport.
     pub transport: Arc<Mutex<MmioTransport>>,
+    /// The device.
+    pub handle: VirtioHandle,
 }
 
 /// Owns the buses while the VM is being built.
@@ -150,17 +166,8 @@ impl DeviceManager {
         Ok(())
     }
 
-    /// Places a virtio device: MMIO window, irqfd, one ioeventfd per queue, event handler.
-    pub fn add_virtio<D>(
-        &mut self,
-        vm: &VmFd,
-        mem: &GuestMemoryMmap,
-        events: &mut EventLoop,
-        device: Arc<Mutex<D>>,
-    ) -> Result<VirtioSlot, DeviceError>
-    where
-        D: VirtioDevice + MutEventSubscriber + 'static,
-    {
+    /// The next free MMIO window and interrupt line.
+    pub fn next_slot(&self) -> Result<(u64, u32), DeviceError> {
         if self.next_irq > LAST_IRQ {
             return Err(DeviceError::Exhausted("interrupt lines"));
         }
@@ -168,10 +175,55 @@ impl DeviceManager {
         if self.next_mmio + MMIO_WINDOW_LEN > MMIO_GAP_END - 0x0400_0000 {
             return Err(DeviceError::Exhausted("MMIO space"));
         }
-        let base = self.next_mmio;
-        let irq = self.next_irq;
-        let trigger = EventTrigger::new().map_err(DeviceError::EventFd)?;
-        vm.register_irqfd(trigger.eventfd(), irq)
+        Ok((self.next_mmio, self.next_irq))
+    }
+
+    /// Places a new virtio device in the next free slot.
+    pub fn add_virtio<D>(
+        &mut self,
+        vm: &VmFd,
+        mem: &GuestMemoryMmap,
+        events: &mut EventLoop,
+        device: Arc<Mutex<D>>,
+        handle: VirtioHandle,
+    ) -> Result<VirtioSlot, DeviceError>
+    where
+        D: VirtioDevice + MutEventSubscriber + 'static,
+    {
+        let (base, irq) = self.next_slot()?;
+        let interrupt = Arc::new(Interrupt::new(
+            EventTrigger::new().map_err(DeviceError::EventFd)?,
+        ));
+        self.attach_virtio(vm, mem, events, device, handle, base, irq, interrupt, None)
+    }
+
+    /// Places a virtio device at `base`/`irq`: MMIO window, irqfd, one ioeventfd per queue,
+    /// event handler; with `restore`, the transport's registers come from a snapshot.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attach_virtio<D>(
+        &mut self,
+        vm: &VmFd,
+        mem: &GuestMemoryMmap,
+        events: &mut EventLoop,
+        device: Arc<Mutex<D>>,
+        handle: VirtioHandle,
+        base: u64,
+        irq: u32,
+        interrupt: Arc<Interrupt>,
+        restore: Option<(&MmioTransportState, &[QueueSnapshot])>,
+    ) -> Result<VirtioSlot, DeviceError>
+    where
+        D: VirtioDevice + MutEventSubscriber + 'static,
+    {
+        if !(VIRTIO_FIRST_IRQ..=LAST_IRQ).contains(&irq)
+            || !(VIRTIO_MMIO_BASE..MMIO_GAP_END - 0x0400_0000).contains(&base)
+            || base % MMIO_WINDOW_LEN != 0
+        {
+            return Err(DeviceError::Transport(format!(
+                "virtio slot {base:#x}/IRQ {irq} is outside the virtio ranges"
+            )));
+        }
+        vm.register_irqfd(interrupt.eventfd(), irq)
             .map_err(|source| DeviceError::Kvm {
                 what: "KVM_IRQFD (virtio)",
                 source,
@@ -187,19 +239,25 @@ impl DeviceManager {
             }
         }
         let as_virtio: Arc<Mutex<dyn VirtioDevice>> = device.clone();
-        let transport = MmioTransport::new(mem.clone(), as_virtio, trigger)
+        let mut transport = MmioTransport::with_interrupt(mem.clone(), as_virtio, interrupt)
             .map_err(|e| DeviceError::Transport(e.to_string()))?;
+        if let Some((regs, queues)) = restore {
+            transport
+                .restore_state(regs, queues)
+                .map_err(|e| DeviceError::Transport(e.to_string()))?;
+        }
         let transport = Arc::new(Mutex::new(transport));
         let as_bus: Arc<Mutex<dyn BusDevice>> = transport.clone();
         self.mmio.insert(as_bus, base, MMIO_WINDOW_LEN)?;
         let sub: Subscriber = device;
         events.add_subscriber(sub);
-        self.next_irq += 1;
-        self.next_mmio += MMIO_WINDOW_LEN;
+        self.next_irq = self.next_irq.max(irq + 1);
+        self.next_mmio = self.next_mmio.max(base + MMIO_WINDOW_LEN);
         let slot = VirtioSlot {
             base,
             irq,
             transport,
+            handle,
         };
         self.virtio.push(slot.clone());
         Ok(slot)

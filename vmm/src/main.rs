@@ -7,6 +7,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use ember_devices::virtio::block::{BlockConfig, BlockMode};
+use ember_devices::virtio::net::NetConfig;
+use ember_devices::virtio::vsock::VsockConfig;
 use ember_vmm::report::{Reporter, StartTime};
 use ember_vmm::{CpuProfile, Vm, VmConfig};
 
@@ -23,6 +25,22 @@ struct Args {
     /// A disk: `PATH` or `path=PATH[,mode=ro|rw][,id=SERIAL]`. The first is the root device.
     #[arg(long = "disk", value_parser = parse_disk)]
     disks: Vec<BlockConfig>,
+    /// A network interface: `tap=NAME[,mac=aa:bb:cc:dd:ee:ff]` (an existing TAP device).
+    #[arg(long = "net", value_parser = parse_net)]
+    nets: Vec<NetConfig>,
+    /// The vsock device: `cid=N,uds=PATH` (host side is a Unix socket).
+    #[arg(long, value_parser = parse_vsock)]
+    vsock: Option<VsockConfig>,
+    /// With --restore: a new host socket path for the vsock device.
+    #[arg(long, requires = "restore")]
+    vsock_uds: Option<PathBuf>,
+    /// With --restore: new TAP names for the network interfaces, in order (repeatable).
+    #[arg(long = "tap", requires = "restore")]
+    taps: Vec<String>,
+    /// With --restore: new paths for the disks, in order (repeatable; `-` keeps a disk's path).
+    /// For overlay disks this is the clone's own overlay, a copy of the snapshot-time one.
+    #[arg(long = "disk-path", requires = "restore")]
+    disk_paths: Vec<String>,
     /// Do not pass `root=/dev/vda` for the first disk.
     #[arg(long)]
     no_root: bool,
@@ -64,9 +82,52 @@ struct Args {
     api_sock: Option<PathBuf>,
 }
 
+fn key_values(s: &str) -> Result<Vec<(&str, &str)>, String> {
+    s.split(',')
+        .map(|kv| {
+            kv.split_once('=')
+                .ok_or_else(|| format!("option {kv:?} is not key=value"))
+        })
+        .collect()
+}
+
+fn parse_net(s: &str) -> Result<NetConfig, String> {
+    let mut tap = None;
+    let mut mac = None;
+    for (k, v) in key_values(s)? {
+        match k {
+            "tap" => tap = Some(v.to_string()),
+            "mac" => mac = Some(v.to_string()),
+            other => return Err(format!("unknown --net option {other:?} (tap, mac)")),
+        }
+    }
+    Ok(NetConfig {
+        tap: tap.ok_or("--net needs tap=NAME")?,
+        mac,
+    })
+}
+
+fn parse_vsock(s: &str) -> Result<VsockConfig, String> {
+    let mut cid = None;
+    let mut uds = None;
+    for (k, v) in key_values(s)? {
+        match k {
+            "cid" => cid = Some(v.parse::<u64>().map_err(|e| format!("vsock cid {v:?}: {e}"))?),
+            "uds" => uds = Some(PathBuf::from(v)),
+            other => return Err(format!("unknown --vsock option {other:?} (cid, uds)")),
+        }
+    }
+    Ok(VsockConfig {
+        guest_cid: cid.ok_or("--vsock needs cid=N")?,
+        uds_path: uds.ok_or("--vsock needs uds=PATH")?,
+    })
+}
+
 fn parse_disk(s: &str) -> Result<BlockConfig, String> {
     let mut path = None;
     let mut mode = BlockMode::ReadWrite;
+    let mut base: Option<PathBuf> = None;
+    let mut overlay = false;
     let mut id = String::new();
     if !s.contains('=') {
         path = Some(PathBuf::from(s));
@@ -77,19 +138,27 @@ fn parse_disk(s: &str) -> Result<BlockConfig, String> {
                 .ok_or_else(|| format!("disk option {kv:?} is not key=value"))?;
             match k {
                 "path" => path = Some(PathBuf::from(v)),
-                "mode" => {
-                    mode = match v {
-                        "ro" => BlockMode::ReadOnly,
-                        "rw" => BlockMode::ReadWrite,
-                        other => return Err(format!("disk mode {other:?}: expected ro or rw")),
+                "mode" => match v {
+                    "ro" => mode = BlockMode::ReadOnly,
+                    "rw" => mode = BlockMode::ReadWrite,
+                    "overlay" => overlay = true,
+                    other => {
+                        return Err(format!("disk mode {other:?}: expected ro, rw or overlay"))
                     }
-                }
+                },
+                "base" => base = Some(PathBuf::from(v)),
                 "id" => id = v.to_string(),
                 other => return Err(format!("unknown disk option {other:?}")),
             }
         }
     }
     let path = path.ok_or("disk needs path=...")?;
+    match (overlay, base) {
+        (true, Some(base)) => mode = BlockMode::Overlay { base },
+        (true, None) => return Err("mode=overlay needs base=IMAGE (path= is the overlay)".into()),
+        (false, Some(_)) => return Err("base= only goes with mode=overlay".into()),
+        (false, None) => {}
+    }
     if id.len() > 20 {
         return Err(format!("disk id {id:?} is longer than 20 bytes"));
     }
@@ -133,6 +202,12 @@ fn config(args: &Args) -> Result<VmConfig, String> {
     }
     if args.no_root {
         c.root = false;
+    }
+    if !args.nets.is_empty() {
+        c.net = args.nets.clone();
+    }
+    if let Some(v) = &args.vsock {
+        c.vsock = Some(v.clone());
     }
     if let Some(m) = args.mem_mib {
         c.mem_mib = m;
@@ -181,6 +256,13 @@ fn main() -> ExitCode {
             let opts = ember_vmm::snapshot::RestoreOptions {
                 cpu_profile: args.cpu_profile,
                 prefetch: args.prefetch,
+                vsock_uds: args.vsock_uds.clone(),
+                net_taps: args.taps.clone(),
+                disk_paths: args
+                    .disk_paths
+                    .iter()
+                    .map(|p| (p != "-").then(|| PathBuf::from(p)))
+                    .collect(),
             };
             Vm::restore(dir, &opts, out, reporter.clone(), start).map_err(|e| e.to_string())
         }
@@ -249,7 +331,16 @@ mod tests {
         assert_eq!((d.path, d.mode), (PathBuf::from("/img"), BlockMode::ReadWrite));
         let d = parse_disk("path=/a,mode=ro,id=root").unwrap();
         assert_eq!((d.mode, d.id.as_str()), (BlockMode::ReadOnly, "root"));
-        assert!(parse_disk("path=/a,mode=rx").unwrap_err().contains("expected ro or rw"));
+        assert!(parse_disk("path=/a,mode=rx").unwrap_err().contains("expected ro, rw or overlay"));
+        let d = parse_disk("path=/o,mode=overlay,base=/b").unwrap();
+        assert_eq!(d.mode, BlockMode::Overlay { base: "/b".into() });
+        assert!(parse_disk("path=/o,mode=overlay").unwrap_err().contains("base="));
+        let n = parse_net("tap=tap0,mac=02:00:00:00:00:01").unwrap();
+        assert_eq!((n.tap.as_str(), n.mac.as_deref()), ("tap0", Some("02:00:00:00:00:01")));
+        assert!(parse_net("mac=x").unwrap_err().contains("tap"));
+        let v = parse_vsock("cid=3,uds=/tmp/v.sock").unwrap();
+        assert_eq!(v.guest_cid, 3);
+        assert!(parse_vsock("cid=x,uds=/a").is_err());
         assert!(parse_disk("mode=ro").unwrap_err().contains("path"));
         assert!(parse_disk("path=/a,colour=red").unwrap_err().contains("colour"));
     }

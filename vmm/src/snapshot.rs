@@ -22,7 +22,16 @@ use vm_memory::{
     GuestRegionMmap,
 };
 
+use ember_devices::bus::lock;
+use ember_devices::virtio::block::{Block, BlockState};
+use ember_devices::virtio::mmio::MmioTransportState;
+use ember_devices::virtio::net::{Net, NetState};
+use ember_devices::virtio::vsock::{Vsock, VsockState};
+use ember_devices::virtio::{Interrupt, QueueSnapshot};
+use ember_snapshot::Persist;
+
 use crate::cpu::{CpuProfile, HostKvm};
+use crate::device_manager::VirtioHandle;
 use crate::report::{Reporter, StartTime};
 use crate::vm::{Vm, VmConfig, VmError};
 use crate::vstate::{self, KvmVmState, StateCaps, VcpuState};
@@ -105,8 +114,36 @@ pub struct VmState {
     pub vcpus: Vec<VcpuState>,
     /// COM1.
     pub serial: SerialSnapshot,
+    /// virtio devices, in placement order.
+    pub virtio: Vec<VirtioDeviceState>,
     /// Capabilities the state was saved with.
     pub caps: StateCaps,
+}
+
+/// A virtio device's device-specific state.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub enum DeviceState {
+    /// virtio-blk.
+    Block(BlockState),
+    /// virtio-net.
+    Net(NetState),
+    /// virtio-vsock.
+    Vsock(VsockState),
+}
+
+/// One placed virtio device: slot, transport registers, device state.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct VirtioDeviceState {
+    /// MMIO window base.
+    pub base: u64,
+    /// GSI.
+    pub irq: u32,
+    /// Transport registers.
+    pub transport: MmioTransportState,
+    /// The transport's copy of the queue configuration.
+    pub transport_queues: Vec<QueueSnapshot>,
+    /// The device.
+    pub device: DeviceState,
 }
 
 /// What a snapshot write produced.
@@ -149,11 +186,6 @@ pub fn write_snapshot(
             "diff snapshots are not implemented yet; take a full snapshot".into(),
         ));
     }
-    if !vm.devices.virtio.is_empty() {
-        return Err(SnapshotError::Unsupported(
-            "saving virtio device state is not implemented yet".into(),
-        ));
-    }
     if vcpu_states.len() != usize::from(vm.vcpu_count) {
         return Err(SnapshotError::Unsupported(format!(
             "{} of {} vCPU states captured",
@@ -183,7 +215,28 @@ pub fn write_snapshot(
         .as_ref()
         .map(|s| ember_devices::bus::lock(s).snapshot())
         .ok_or_else(|| SnapshotError::Unsupported("VM has no serial port".into()))?;
+    let virtio = vm
+        .devices
+        .virtio
+        .iter()
+        .map(|slot| {
+            let t = lock(&slot.transport);
+            let device = match &slot.handle {
+                VirtioHandle::Block(d) => DeviceState::Block(lock(d).save()),
+                VirtioHandle::Net(d) => DeviceState::Net(lock(d).save()),
+                VirtioHandle::Vsock(d) => DeviceState::Vsock(lock(d).save()),
+            };
+            VirtioDeviceState {
+                base: slot.base,
+                irq: slot.irq,
+                transport: t.state(),
+                transport_queues: t.queue_snapshots(),
+                device,
+            }
+        })
+        .collect();
     let state = VmState {
+        virtio,
         ember_version: env!("CARGO_PKG_VERSION").to_string(),
         host: vm.host,
         cpu_profile: vm.profile,
@@ -216,6 +269,13 @@ pub struct RestoreOptions {
     pub cpu_profile: Option<CpuProfile>,
     /// What to do with a recorded working set.
     pub prefetch: crate::workingset::Prefetch,
+    /// A new host socket for the vsock device (clones must not share one).
+    pub vsock_uds: Option<PathBuf>,
+    /// New TAP names for the network interfaces, in order.
+    pub net_taps: Vec<String>,
+    /// New paths for the disks, in order (for overlay disks: the clone's own overlay file,
+    /// which must start as a copy of the snapshot-time overlay).
+    pub disk_paths: Vec<Option<PathBuf>>,
 }
 
 /// Reads and checks a snapshot's state against this host, before anything is built.
@@ -375,6 +435,64 @@ impl Vm {
             .add_boot_marker(BootMarker::new(crate::vm::marker_sink(reporter.clone(), start)))
             .map_err(|e| build(VmError::Device(e)))?;
 
+        let mut events = events;
+        let mut config = state.config;
+        apply_overrides(&mut config, opts);
+        let (mut disk_i, mut net_i) = (0usize, 0usize);
+        for v in state.virtio {
+            let irq_evt = EventTrigger::new().map_err(|source| build(VmError::Os {
+                what: "eventfd",
+                source,
+            }))?;
+            let interrupt = Arc::new(Interrupt::new(irq_evt));
+            interrupt.restore_status(v.transport.interrupt_status);
+            let live = v.transport.status & ember_devices::virtio::mmio::status::DRIVER_OK != 0;
+            let args = live.then(|| (mem.clone(), interrupt.clone()));
+            let restore = Some((&v.transport, v.transport_queues.as_slice()));
+            let dev_err = |e: String| SnapshotError::Incompatible {
+                dir: dir.to_path_buf(),
+                reason: format!("virtio device at {:#x}: {e}", v.base),
+            };
+            match v.device {
+                DeviceState::Block(s) => {
+                    let cfg = config.disks.get(disk_i).cloned().unwrap_or(s.config.clone());
+                    disk_i += 1;
+                    let d = Arc::new(std::sync::Mutex::new(
+                        Block::restore((cfg, args), &s).map_err(|e| dev_err(e.to_string()))?,
+                    ));
+                    devices
+                        .attach_virtio(&vm_fd, &mem, &mut events, d.clone(), VirtioHandle::Block(d), v.base, v.irq, interrupt, restore)
+                        .map_err(|e| build(VmError::Device(e)))?;
+                }
+                DeviceState::Net(s) => {
+                    let cfg = config
+                        .net
+                        .get(net_i)
+                        .cloned()
+                        .ok_or_else(|| dev_err("no network configuration for it".into()))?;
+                    net_i += 1;
+                    let d = Arc::new(std::sync::Mutex::new(
+                        Net::restore((cfg, args), &s).map_err(|e| dev_err(e.to_string()))?,
+                    ));
+                    devices
+                        .attach_virtio(&vm_fd, &mem, &mut events, d.clone(), VirtioHandle::Net(d), v.base, v.irq, interrupt, restore)
+                        .map_err(|e| build(VmError::Device(e)))?;
+                }
+                DeviceState::Vsock(s) => {
+                    let cfg = config
+                        .vsock
+                        .clone()
+                        .ok_or_else(|| dev_err("no vsock configuration for it".into()))?;
+                    let d = Arc::new(std::sync::Mutex::new(
+                        Vsock::restore((cfg, args), &s).map_err(|e| dev_err(e.to_string()))?,
+                    ));
+                    devices
+                        .attach_virtio(&vm_fd, &mem, &mut events, d.clone(), VirtioHandle::Vsock(d), v.base, v.irq, interrupt, restore)
+                        .map_err(|e| build(VmError::Device(e)))?;
+                }
+            }
+        }
+
         let msr_list = kvm.get_msr_index_list().map_err(|source| build(VmError::Kvm {
             what: "KVM_GET_MSR_INDEX_LIST",
             source,
@@ -417,10 +535,25 @@ impl Vm {
             reset_evt,
             reporter,
             start,
-            config: state.config,
+            config,
             caps: state.caps,
         })
         .map_err(build)
+    }
+}
+
+/// Applies restore-time overrides to the snapshot's configuration.
+fn apply_overrides(config: &mut VmConfig, opts: &RestoreOptions) {
+    if let (Some(v), Some(uds)) = (config.vsock.as_mut(), &opts.vsock_uds) {
+        v.uds_path = uds.clone();
+    }
+    for (n, tap) in config.net.iter_mut().zip(&opts.net_taps) {
+        n.tap = tap.clone();
+    }
+    for (d, p) in config.disks.iter_mut().zip(&opts.disk_paths) {
+        if let Some(p) = p {
+            d.path = p.clone();
+        }
     }
 }
 

@@ -19,7 +19,9 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::api::{AfterSnapshot, ApiQueue, ApiServer, Request};
 use crate::boot::{self, BootError};
 use crate::cpu::{CpuProfile, HostKvm};
-use crate::device_manager::{DeviceError, DeviceManager, EventLoop};
+use crate::device_manager::{DeviceError, DeviceManager, EventLoop, VirtioHandle};
+use ember_devices::virtio::net::{Net, NetConfig, NetError};
+use ember_devices::virtio::vsock::{Vsock, VsockConfig, VsockError};
 use crate::memory::{self, MemoryError};
 use crate::report::{Reporter, StartTime};
 use crate::vcpu::{self, Vcpu, VcpuExitReason, VcpuHandle};
@@ -55,6 +57,12 @@ pub struct VmConfig {
     /// CPU profile; detected from the host when absent.
     #[serde(default)]
     pub cpu_profile: Option<CpuProfile>,
+    /// Network interfaces (TAP-backed virtio-net), `eth0` first.
+    #[serde(default)]
+    pub net: Vec<NetConfig>,
+    /// The vsock device (host side: a Unix socket).
+    #[serde(default)]
+    pub vsock: Option<VsockConfig>,
 }
 
 fn yes() -> bool {
@@ -79,6 +87,8 @@ impl VmConfig {
             cmdline: None,
             cmdline_extra: Vec::new(),
             cpu_profile: None,
+            net: Vec::new(),
+            vsock: None,
         }
     }
 }
@@ -126,6 +136,12 @@ pub enum VmError {
     /// A disk.
     #[error(transparent)]
     Block(#[from] BlockError),
+    /// A network interface.
+    #[error(transparent)]
+    Net(#[from] NetError),
+    /// The vsock device.
+    #[error(transparent)]
+    Vsock(#[from] VsockError),
     /// Event loop.
     #[error("event loop: {0:?}")]
     EventLoop(event_manager::Error),
@@ -408,7 +424,16 @@ impl Vm {
         let reset_evt = devices.add_i8042()?;
         devices.add_boot_marker(BootMarker::new(marker_sink(reporter.clone(), start)))?;
         for disk in disks {
-            devices.add_virtio(&vm_fd, &mem, &mut events, Arc::new(Mutex::new(disk)))?;
+            let d = Arc::new(Mutex::new(disk));
+            devices.add_virtio(&vm_fd, &mem, &mut events, d.clone(), VirtioHandle::Block(d))?;
+        }
+        for n in &config.net {
+            let d = Arc::new(Mutex::new(Net::new(n.clone())?));
+            devices.add_virtio(&vm_fd, &mem, &mut events, d.clone(), VirtioHandle::Net(d))?;
+        }
+        if let Some(v) = &config.vsock {
+            let d = Arc::new(Mutex::new(Vsock::new(v.clone())?));
+            devices.add_virtio(&vm_fd, &mem, &mut events, d.clone(), VirtioHandle::Vsock(d))?;
         }
 
         let cmdline = assemble_cmdline(config, profile, &devices.cmdline_entries());

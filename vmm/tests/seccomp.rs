@@ -1,8 +1,9 @@
 //! Seccomp filters, checked on real processes.
 //!
 //! - The `ember-vmm` binary with its filters on boots a hand-assembled guest (one and four
-//!   vCPUs), and its test hook (`EMBER_VMM_TEST_FORBIDDEN_SYSCALL`) kills it by `SIGSYS` in
-//!   `kill` mode, on the main thread and on a vCPU thread, while `log` and `off` go on.
+//!   vCPUs), serves every control request, writes a snapshot, restores it, records its
+//!   working set and prefetches it on the prefetch thread; its test hook (`EMBER_VMM_TEST_FORBIDDEN_SYSCALL`) kills it by `SIGSYS` in
+//!   `kill` mode, on the main thread, on a vCPU thread and on the prefetch thread, while `log` and `off` go on.
 //! - Probes: this test binary re-runs itself with `EMBER_SECCOMP_PROBE=<kind>:<action>`; the
 //!   child installs one filter on a fresh thread, does one thing, and either reports
 //!   `PROBE-OK` or dies by `SIGSYS`. That checks each filter loads, that what the VMM needs is
@@ -77,7 +78,11 @@ const MARKER_SERIAL_RESET: &[u8] = &[
 ];
 
 fn kvm_available() -> bool {
-    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
         Ok(_) => true,
         Err(e) => {
             eprintln!("skipping: /dev/kvm is not usable here ({e})");
@@ -147,7 +152,12 @@ fn describe(o: &Output) -> String {
 
 fn assert_booted(o: &Output) {
     assert!(o.status.success(), "{}", describe(o));
-    assert_eq!(String::from_utf8_lossy(&o.stdout), "ok\n", "{}", describe(o));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "ok\n",
+        "{}",
+        describe(o)
+    );
 }
 
 fn assert_sigsys(o: &Output) {
@@ -221,7 +231,203 @@ fn a_bad_mode_is_a_usage_error() {
     let vmm = Vmm::new();
     let o = vmm.run(Some("trap"), None, &[]);
     assert_eq!(o.status.code(), Some(2), "{}", describe(&o));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("kill, log or off"), "{}", describe(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("kill, log or off"),
+        "{}",
+        describe(&o)
+    );
+}
+
+/// loop: inc qword [0x300000]; mov rax, [0x300000]; out 0x0ef0, al; delay; jmp loop
+/// (a boot marker per tick, forever: a guest to pause, snapshot and restore).
+const COUNTER: &[u8] = &[
+    0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x30, 0x00, // inc qword [0x300000]
+    0x48, 0x8b, 0x04, 0x25, 0x00, 0x00, 0x30, 0x00, // mov rax, [0x300000]
+    0x66, 0xba, 0xf0, 0x0e, // mov dx, 0x0ef0
+    0xee, // out dx, al
+    0xb9, 0xa0, 0x86, 0x01, 0x00, // mov ecx, 100000
+    0xff, 0xc9, // dec ecx
+    0x75, 0xfc, // jnz dec
+    0xeb, 0xe0, // jmp loop
+];
+
+/// A VMM child killed when dropped.
+struct Running(std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Running {
+    fn start(args: &[&std::ffi::OsStr], hook: Option<&str>) -> Self {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ember-vmm"));
+        cmd.args(["--seccomp", "kill", "--serial", "none"])
+            .args(args)
+            .env_remove("EMBER_SECCOMP")
+            .env_remove(TEST_HOOK_ENV)
+            .stdout(std::process::Stdio::null());
+        if let Some(h) = hook {
+            cmd.env(TEST_HOOK_ENV, h);
+        }
+        Running(no_core_dumps(&mut cmd).spawn().expect("spawn ember-vmm"))
+    }
+
+    /// Waits up to 60 s for the process to end.
+    fn wait(&mut self) -> std::process::ExitStatus {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            if let Some(s) = self.0.try_wait().unwrap() {
+                return s;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "ember-vmm did not exit"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
+fn report_events(report: &Path, kind: &str) -> usize {
+    std::fs::read_to_string(report)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["event"] == kind)
+        .count()
+}
+
+fn wait_for_events(vmm: &mut Running, report: &Path, kind: &str, n: usize) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while report_events(report, kind) < n {
+        if let Some(s) = vmm.0.try_wait().unwrap() {
+            panic!(
+                "ember-vmm ended ({s:?}, signal {:?}) before {n} {kind} events",
+                s.signal()
+            );
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no {n} {kind} events in {}",
+            report.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// One control request, given in its wire format.
+fn request(sock: &Path, req: serde_json::Value) -> serde_json::Value {
+    let req: ember_vmm::api::Request = serde_json::from_value(req.clone())
+        .unwrap_or_else(|e| panic!("{req} is not a control request: {e}"));
+    let reply = ember_vmm::api::call(sock, &req).unwrap_or_else(|e| panic!("{req:?}: {e}"));
+    assert_eq!(reply["ok"], true, "{req:?}: {reply}");
+    reply
+}
+
+#[test]
+fn control_requests_snapshots_and_restores_run_under_the_filters() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name);
+    std::fs::write(p("counter.elf"), elf_with_code(COUNTER)).unwrap();
+    let snap = p("snaps/one");
+
+    // Boot; every control request; a snapshot while running on; shutdown.
+    let mut vmm = Running::start(
+        &[
+            "--kernel".as_ref(),
+            p("counter.elf").as_os_str(),
+            "--mem-mib".as_ref(),
+            "64".as_ref(),
+            "--api-sock".as_ref(),
+            p("a.sock").as_os_str(),
+            "--report".as_ref(),
+            p("r1.jsonl").as_os_str(),
+        ],
+        None,
+    );
+    wait_for_events(&mut vmm, &p("r1.jsonl"), "boot_marker", 2);
+    request(&p("a.sock"), serde_json::json!({"op": "stats"}));
+    request(&p("a.sock"), serde_json::json!({"op": "pause"}));
+    request(&p("a.sock"), serde_json::json!({"op": "stats"}));
+    request(&p("a.sock"), serde_json::json!({"op": "resume"}));
+    request(
+        &p("a.sock"),
+        serde_json::json!({"op": "snapshot", "dir": snap, "kind": "full"}),
+    );
+    let ticks = report_events(&p("r1.jsonl"), "boot_marker");
+    wait_for_events(&mut vmm, &p("r1.jsonl"), "boot_marker", ticks + 2);
+    // A refused request (the directory exists) takes the error paths.
+    let bad: ember_vmm::api::Request =
+        serde_json::from_value(serde_json::json!({"op": "snapshot", "dir": snap})).unwrap();
+    let reply = ember_vmm::api::call(&p("a.sock"), &bad).unwrap();
+    assert_eq!(reply["ok"], false, "{reply}");
+    request(&p("a.sock"), serde_json::json!({"op": "shutdown"}));
+    let s = vmm.wait();
+    assert!(s.success(), "{s:?} (signal {:?})", s.signal());
+
+    // Restore and record the working set.
+    let mut vmm = Running::start(
+        &[
+            "--restore".as_ref(),
+            snap.as_os_str(),
+            "--prefetch".as_ref(),
+            "off".as_ref(),
+            "--api-sock".as_ref(),
+            p("b.sock").as_os_str(),
+            "--report".as_ref(),
+            p("r2.jsonl").as_os_str(),
+        ],
+        None,
+    );
+    wait_for_events(&mut vmm, &p("r2.jsonl"), "boot_marker", 2);
+    request(
+        &p("b.sock"),
+        serde_json::json!({"op": "record_working_set", "dir": snap}),
+    );
+    request(&p("b.sock"), serde_json::json!({"op": "shutdown"}));
+    let s = vmm.wait();
+    assert!(s.success(), "{s:?} (signal {:?})", s.signal());
+
+    // Restore with the working set prefetched on its own thread, under its own filter.
+    let mut vmm = Running::start(
+        &[
+            "--restore".as_ref(),
+            snap.as_os_str(),
+            "--prefetch".as_ref(),
+            "async".as_ref(),
+            "--api-sock".as_ref(),
+            p("c.sock").as_os_str(),
+            "--report".as_ref(),
+            p("r3.jsonl").as_os_str(),
+        ],
+        None,
+    );
+    wait_for_events(&mut vmm, &p("r3.jsonl"), "prefetch_done", 1);
+    wait_for_events(&mut vmm, &p("r3.jsonl"), "boot_marker", 2);
+    request(&p("c.sock"), serde_json::json!({"op": "shutdown"}));
+    let s = vmm.wait();
+    assert!(s.success(), "{s:?} (signal {:?})", s.signal());
+
+    // The prefetch thread really is filtered.
+    let mut vmm = Running::start(
+        &[
+            "--restore".as_ref(),
+            snap.as_os_str(),
+            "--prefetch".as_ref(),
+            "async".as_ref(),
+            "--report".as_ref(),
+            p("r4.jsonl").as_os_str(),
+        ],
+        Some("prefetch"),
+    );
+    let s = vmm.wait();
+    assert_eq!(s.signal(), Some(libc::SIGSYS), "{s:?}");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -290,7 +496,8 @@ fn run_action(
         }
         "socket_unix" => {
             // SAFETY: see above.
-            let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+            let s =
+                unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
             assert!(s >= 0, "socket(AF_UNIX) failed");
             // SAFETY: `s` is a descriptor we own.
             unsafe { libc::close(s) };
@@ -351,7 +558,14 @@ fn run_action(
         "mmap_file" => {
             // SAFETY: see above.
             unsafe {
-                libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ, libc::MAP_PRIVATE, fd, 0)
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    4096,
+                    libc::PROT_READ,
+                    libc::MAP_PRIVATE,
+                    fd,
+                    0,
+                )
             };
         }
         "mprotect_exec" => {
@@ -388,14 +602,24 @@ fn run_action(
             // The kick signal (ignored, see probe_child), sent to ourselves.
             // SAFETY: see above.
             unsafe {
-                libc::syscall(libc::SYS_tgkill, libc::getpid(), libc::gettid(), libc::SIGRTMIN())
+                libc::syscall(
+                    libc::SYS_tgkill,
+                    libc::getpid(),
+                    libc::gettid(),
+                    libc::SIGRTMIN(),
+                )
             };
         }
         "tgkill_sigusr1" => {
             // SIGUSR1 is ignored (see probe_child) in case the filter lets it through.
             // SAFETY: see above.
             unsafe {
-                libc::syscall(libc::SYS_tgkill, libc::getpid(), libc::gettid(), libc::SIGUSR1)
+                libc::syscall(
+                    libc::SYS_tgkill,
+                    libc::getpid(),
+                    libc::gettid(),
+                    libc::SIGUSR1,
+                )
             };
         }
         "snapshot_files" => {
@@ -405,7 +629,12 @@ fn run_action(
             let tmp = dir.join("parent/.snap.tmp");
             std::fs::create_dir_all(&tmp).unwrap();
             let f = tmp.join("memory");
-            let file = std::fs::OpenOptions::new().create(true).write(true).truncate(true).open(&f).unwrap();
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .truncate(true)
+                .open(&f)
+                .unwrap();
             file.set_len(1 << 20).unwrap();
             use std::os::unix::fs::FileExt;
             file.write_all_at(&[1u8; 4096], 8192).unwrap();
@@ -418,7 +647,9 @@ fn run_action(
                     4096,
                 )
             };
-            assert!(r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP));
+            assert!(
+                r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP)
+            );
             file.sync_all().unwrap();
             file.sync_data().unwrap();
             let mut back = [0u8; 16];
@@ -429,7 +660,10 @@ fn run_action(
             let done = dir.join("parent/snap");
             std::fs::rename(&tmp, &done).unwrap();
             assert_eq!(std::fs::read_dir(&done).unwrap().count(), 2);
-            assert_eq!(std::fs::metadata(done.join("memory")).unwrap().len(), 1 << 20);
+            assert_eq!(
+                std::fs::metadata(done.join("memory")).unwrap().len(),
+                1 << 20
+            );
             assert_eq!(std::fs::read(done.join("state")).unwrap(), b"state");
             std::fs::remove_file(done.join("state")).unwrap();
             std::fs::remove_dir_all(dir.join("parent")).unwrap();
@@ -446,7 +680,8 @@ fn run_action(
             let mut c = UnixStream::connect(&path).unwrap();
             let (mut s, _) = listener.accept().unwrap();
             let w = s.try_clone().unwrap();
-            w.set_write_timeout(Some(std::time::Duration::from_secs(1))).unwrap();
+            w.set_write_timeout(Some(std::time::Duration::from_secs(1)))
+                .unwrap();
             s.set_nonblocking(true).unwrap();
             c.write_all(b"ping\n").unwrap();
             let mut b = [0u8; 5];
@@ -520,7 +755,13 @@ fn vcpu_filter_allows_kvm_run_and_memory_but_refuses_the_rest() {
 
 #[test]
 fn main_filter_allows_snapshots_sockets_and_kicks_but_refuses_the_rest() {
-    for action in ["snapshot_files", "control_socket", "socket_unix", "mmap_anon", "tgkill_kick"] {
+    for action in [
+        "snapshot_files",
+        "control_socket",
+        "socket_unix",
+        "mmap_anon",
+        "tgkill_kick",
+    ] {
         assert_allowed("main", action);
     }
     for action in [
@@ -578,6 +819,7 @@ fn constant(name: &str) -> Option<u64> {
         "KVM_GET_PIT2" => KVM_GET_PIT2().into(),
         "KVM_GET_CLOCK" => KVM_GET_CLOCK().into(),
         "FIONBIO" => libc::FIONBIO as u64,
+        "TUNSETOFFLOAD" => libc::TUNSETOFFLOAD as u64,
         "F_GETFD" => libc::F_GETFD as u64,
         "F_SETFD" => libc::F_SETFD as u64,
         "F_GETFL" => libc::F_GETFL as u64,
@@ -607,7 +849,10 @@ fn constant(name: &str) -> Option<u64> {
 #[test]
 fn this_libc_kicks_with_a_listed_sigrtmin() {
     let s = libc::SIGRTMIN() as u64;
-    assert!(s == 34 || s == 35, "SIGRTMIN is {s}: add it to the tgkill rules");
+    assert!(
+        s == 34 || s == 35,
+        "SIGRTMIN is {s}: add it to the tgkill rules"
+    );
     assert_eq!(ember_vmm::vcpu::kick_signal(), libc::SIGRTMIN());
 }
 
@@ -615,7 +860,15 @@ fn this_libc_kicks_with_a_listed_sigrtmin() {
 fn prefetch_filter_allows_populating_memory_and_nothing_else() {
     assert_allowed("prefetch", "madvise_populate");
     assert_allowed("prefetch", "mmap_anon");
-    for action in ["openat", "execve", "socket_unix", "mmap_exec", "mprotect_exec", "ioctl_kvm_run", "tgkill_kick"] {
+    for action in [
+        "openat",
+        "execve",
+        "socket_unix",
+        "mmap_exec",
+        "mprotect_exec",
+        "ioctl_kvm_run",
+        "tgkill_kick",
+    ] {
         assert_refused("prefetch", action);
     }
 }
@@ -626,7 +879,8 @@ fn json_numbers_match_the_constants_their_comments_name() {
     let mut checked = 0;
     for kind in ThreadKind::ALL {
         let path = dir.join(format!("{}.json", kind.name()));
-        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         let rules = json[kind.name()]["filter"].as_array().unwrap();
         for rule in rules {
             let syscall = rule["syscall"].as_str().unwrap();
@@ -635,9 +889,16 @@ fn json_numbers_match_the_constants_their_comments_name() {
                 "{}: {syscall} has no comment saying why it is allowed",
                 path.display()
             );
-            for cond in rule["args"].as_array().map(Vec::as_slice).unwrap_or_default() {
+            for cond in rule["args"]
+                .as_array()
+                .map(Vec::as_slice)
+                .unwrap_or_default()
+            {
                 let comment = cond["comment"].as_str().unwrap_or_else(|| {
-                    panic!("{}: a condition on {syscall} names no constant", path.display())
+                    panic!(
+                        "{}: a condition on {syscall} names no constant",
+                        path.display()
+                    )
                 });
                 let val = cond["val"].as_u64().unwrap();
                 let (negated, expr) = match comment.strip_prefix("no ") {
@@ -646,12 +907,24 @@ fn json_numbers_match_the_constants_their_comments_name() {
                 };
                 let expected = constant(expr).unwrap_or_else(|| {
                     expr.split(" | ")
-                        .map(|n| constant(n).unwrap_or_else(|| panic!("{}: unknown constant {n:?} on {syscall}: add it to constant()", path.display())))
+                        .map(|n| {
+                            constant(n).unwrap_or_else(|| {
+                                panic!(
+                                    "{}: unknown constant {n:?} on {syscall}: add it to constant()",
+                                    path.display()
+                                )
+                            })
+                        })
                         .fold(0, |a, b| a | b)
                 });
                 let mask = cond["op"].get("masked_eq").and_then(|m| m.as_u64());
                 if negated {
-                    assert_eq!((mask, val), (Some(expected), 0), "{}: {syscall} {comment}", path.display());
+                    assert_eq!(
+                        (mask, val),
+                        (Some(expected), 0),
+                        "{}: {syscall} {comment}",
+                        path.display()
+                    );
                 } else {
                     assert_eq!(val, expected, "{}: {syscall} {comment}", path.display());
                     if let Some(m) = mask {

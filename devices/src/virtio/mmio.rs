@@ -97,6 +97,59 @@ impl MmioTransport {
         })
     }
 
+    /// Like [`MmioTransport::new`] with an interrupt line built by the caller (restore: the
+    /// device and the transport must share it, with its saved status).
+    pub fn with_interrupt(
+        mem: GuestMemoryMmap,
+        device: Arc<Mutex<dyn VirtioDevice>>,
+        interrupt: Arc<Interrupt>,
+    ) -> Result<Self, virtio_queue::Error> {
+        let queues = lock(&device)
+            .queue_max_sizes()
+            .iter()
+            .map(|&max| Queue::new(max))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            device,
+            mem,
+            interrupt,
+            queues,
+            regs: MmioTransportState::default(),
+        })
+    }
+
+    /// The transport's copy of the queue registers, for snapshots.
+    pub fn queue_snapshots(&self) -> Vec<super::QueueSnapshot> {
+        self.queues.iter().map(super::QueueSnapshot::from).collect()
+    }
+
+    /// Restores registers and queue configuration saved by [`MmioTransport::state`] and
+    /// [`MmioTransport::queue_snapshots`]. The interrupt status is restored by the caller on
+    /// the shared [`Interrupt`]. Refuses queue sets that do not match the device.
+    pub fn restore_state(
+        &mut self,
+        regs: &MmioTransportState,
+        queues: &[super::QueueSnapshot],
+    ) -> Result<(), super::ActivateError> {
+        if queues.len() != self.queues.len() {
+            return Err(super::ActivateError::QueueCount {
+                expected: self.queues.len(),
+                found: queues.len(),
+            });
+        }
+        let mut restored = Vec::with_capacity(queues.len());
+        for (i, (q, cur)) in queues.iter().zip(&self.queues).enumerate() {
+            if q.max_size != cur.max_size() {
+                return Err(super::ActivateError::InvalidQueue(i));
+            }
+            restored.push(q.to_queue(None)?);
+        }
+        self.queues = restored;
+        self.regs = regs.clone();
+        self.regs.interrupt_status = 0;
+        Ok(())
+    }
+
     /// The device behind the transport.
     pub fn device(&self) -> &Arc<Mutex<dyn VirtioDevice>> {
         &self.device
@@ -205,7 +258,10 @@ impl MmioTransport {
             lock(&self.device).activate(self.mem.clone(), self.interrupt.clone(), queues)
         })();
         if let Err(e) = result {
-            tracing::warn!("virtio-mmio: device type {} refused to start: {e}", self.device_type());
+            tracing::warn!(
+                "virtio-mmio: device type {} refused to start: {e}",
+                self.device_type()
+            );
             self.regs.status |= status::DEVICE_NEEDS_RESET;
             self.interrupt.trigger(super::interrupt_cause::CONFIG);
         }
@@ -242,8 +298,8 @@ impl MmioTransport {
     }
 
     fn write_reg(&mut self, offset: u64, v: u32) {
-        let driver_stage = self.regs.status & status::DRIVER != 0
-            && self.regs.status & status::FEATURES_OK == 0;
+        let driver_stage =
+            self.regs.status & status::DRIVER != 0 && self.regs.status & status::FEATURES_OK == 0;
         match offset {
             0x14 => self.regs.features_select = v,
             0x20 if driver_stage => match self.regs.acked_features_select {
@@ -414,7 +470,11 @@ mod tests {
         w(t, 0x20, 0b1);
         w(t, 0x24, 1);
         w(t, 0x20, features_hi);
-        w(t, 0x70, status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK);
+        w(
+            t,
+            0x70,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK,
+        );
     }
 
     fn setup_queue(t: &mut MmioTransport, idx: u32, base: u32) {
@@ -479,7 +539,11 @@ mod tests {
         w(&mut t, 0x20, 0b10);
         w(&mut t, 0x24, 1);
         w(&mut t, 0x20, 1);
-        w(&mut t, 0x70, status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK);
+        w(
+            &mut t,
+            0x70,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK,
+        );
         assert_eq!(r(&mut t, 0x70) & status::FEATURES_OK, 0);
     }
 

@@ -68,6 +68,12 @@ impl Interrupt {
         self.status.fetch_and(!causes, Ordering::SeqCst);
     }
 
+    /// Restores pending causes saved in a snapshot (without raising the line).
+    pub fn restore_status(&self, causes: u32) {
+        self.status
+            .fetch_or(causes & (interrupt_cause::VRING | interrupt_cause::CONFIG), Ordering::SeqCst);
+    }
+
     /// Drops every pending cause (device reset).
     pub fn clear(&self) {
         self.status.store(0, Ordering::SeqCst);
