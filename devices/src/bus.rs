@@ -18,7 +18,9 @@ pub trait BusDevice: Send {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum BusError {
     /// The new range overlaps one already registered.
-    #[error("bus range {base:#x}+{len:#x} overlaps an existing device at {other:#x}+{other_len:#x}")]
+    #[error(
+        "bus range {base:#x}+{len:#x} overlaps an existing device at {other:#x}+{other_len:#x}"
+    )]
     Overlap {
         /// Base of the rejected range.
         base: u64,
@@ -166,7 +168,13 @@ mod tests {
     fn rejects_overlaps_and_bad_ranges() {
         let mut bus = Bus::new();
         bus.insert(echo(), 0x1000, 0x1000).unwrap();
-        for (base, len) in [(0x1000, 1), (0xfff, 2), (0x1fff, 1), (0x800, 0x1000), (0x0, 0x3000)] {
+        for (base, len) in [
+            (0x1000, 1),
+            (0xfff, 2),
+            (0x1fff, 1),
+            (0x800, 0x1000),
+            (0x0, 0x3000),
+        ] {
             assert!(
                 matches!(bus.insert(echo(), base, len), Err(BusError::Overlap { .. })),
                 "{base:#x}+{len:#x}"

@@ -1,13 +1,29 @@
-//! virtio-blk backed by a raw image file, read-write or read-only.
+//! virtio-blk backed by a raw image file (read-write or read-only) or by a copy-on-write overlay
+//! on a shared read-only base image ([`overlay`]).
 //!
 //! Requests are parsed from untrusted descriptor chains: the header must be readable, the status
 //! byte must be the last writable byte, data lengths must be whole sectors and inside the disk.
 //! A bad request completes with `VIRTIO_BLK_S_IOERR` (or `UNSUPP`) and never touches memory
 //! outside the guest. Data moves in bounded chunks, so a huge request cannot make the VMM
 //! allocate without limit.
+//!
+//! The device offers `VIRTIO_BLK_F_FLUSH` (write-back cache): a FLUSH makes every completed
+//! write durable (`fdatasync`; for overlays, data then allocation bitmap, see [`overlay`]). A
+//! driver that does not accept the feature gets write-through: every write is flushed before it
+//! completes.
+//!
+//! Images are locked with `flock`: a writable image or overlay exclusively, a read-only image or
+//! a base shared, so two VMMs cannot write one file and nobody writes a base in use.
+//!
+//! Snapshots: see [`persist`] for [`Block`]'s `Persist` implementation and what the VMM must do
+//! with overlay files.
+
+pub mod overlay;
+pub mod persist;
 
 use std::fs::File;
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -20,8 +36,11 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::{device_type, interrupt_cause, ActivateError, Interrupt, VirtioDevice};
 use crate::GuestMemoryMmap;
+use overlay::{Create, Overlay};
 
-/// Sector size of the virtio-blk protocol.
+pub use persist::{BlockState, OverlayState};
+
+/// Sector size of the virtio-blk protocol (a power of two: `x & (SECTOR_SIZE - 1)` is `x % SECTOR_SIZE`).
 pub const SECTOR_SIZE: u64 = 512;
 const QUEUE_SIZE: u16 = 256;
 /// Largest chunk moved between the image and guest memory at once.
@@ -29,32 +48,66 @@ const CHUNK: usize = 128 * 1024;
 /// Length of the `GET_ID` answer.
 const ID_LEN: usize = 20;
 
-const VIRTIO_BLK_F_RO: u64 = 1 << 5;
-const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
+/// `VIRTIO_BLK_F_RO`: the device is read-only.
+pub const VIRTIO_BLK_F_RO: u64 = 1 << 5;
+/// `VIRTIO_BLK_F_FLUSH`: the device has a write-back cache and honours FLUSH.
+pub const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
 const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
 
-const T_IN: u32 = 0;
-const T_OUT: u32 = 1;
-const T_FLUSH: u32 = 4;
-const T_GET_ID: u32 = 8;
+/// Request types (virtio 1.2 §5.2.6).
+pub mod request_type {
+    /// Read.
+    pub const IN: u32 = 0;
+    /// Write.
+    pub const OUT: u32 = 1;
+    /// Flush the write cache.
+    pub const FLUSH: u32 = 4;
+    /// Device id (serial).
+    pub const GET_ID: u32 = 8;
+}
+use request_type::{FLUSH as T_FLUSH, GET_ID as T_GET_ID, IN as T_IN, OUT as T_OUT};
 
-const S_OK: u8 = 0;
-const S_IOERR: u8 = 1;
-const S_UNSUPP: u8 = 2;
+/// Request status values written into the last byte of a chain.
+pub mod status {
+    /// Success.
+    pub const OK: u8 = 0;
+    /// I/O error (also: malformed request, out of range, write to a read-only disk).
+    pub const IOERR: u8 = 1;
+    /// Unsupported request type.
+    pub const UNSUPP: u8 = 2;
+}
+use status::{IOERR as S_IOERR, OK as S_OK, UNSUPP as S_UNSUPP};
 
 /// How the guest may use the image.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum BlockMode {
     /// Reads and writes go to the image.
     ReadWrite,
     /// The device advertises read-only; writes fail with an I/O error in the guest.
     ReadOnly,
+    /// Copy-on-write: `BlockConfig::path` is this VM's overlay file (created empty when it does
+    /// not exist), `base` the shared image, opened read-only and never written.
+    Overlay {
+        /// The shared base image.
+        base: PathBuf,
+    },
+}
+
+impl BlockMode {
+    /// A short name: `rw`, `ro` or `overlay`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            BlockMode::ReadWrite => "rw",
+            BlockMode::ReadOnly => "ro",
+            BlockMode::Overlay { .. } => "overlay",
+        }
+    }
 }
 
 /// Configuration of one disk.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BlockConfig {
-    /// The image file.
+    /// The image file; in overlay mode, the overlay file.
     pub path: PathBuf,
     /// Access mode.
     pub mode: BlockMode,
@@ -62,7 +115,7 @@ pub struct BlockConfig {
     pub id: String,
 }
 
-/// Errors opening a disk.
+/// Errors opening or restoring a disk. Each names the file concerned.
 #[derive(Debug, thiserror::Error)]
 pub enum BlockError {
     /// The image cannot be opened.
@@ -87,6 +140,112 @@ pub enum BlockError {
     /// The queue eventfd could not be made.
     #[error("cannot create an eventfd: {0}")]
     EventFd(std::io::Error),
+    /// Another process holds a conflicting lock on the file.
+    #[error("disk image {path} is in use: another VMM has it open {held} (flock: {source})")]
+    Locked {
+        /// The image, overlay or base.
+        path: PathBuf,
+        /// "for writing" or "read-only".
+        held: &'static str,
+        /// The `flock` error.
+        source: std::io::Error,
+    },
+    /// An I/O operation on the file failed.
+    #[error("disk image {path}: cannot {what}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What was attempted.
+        what: &'static str,
+        /// Why it failed.
+        source: std::io::Error,
+    },
+    /// The configuration is inconsistent.
+    #[error("disk {path}: {reason}")]
+    Config {
+        /// The image.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The overlay's header is damaged or is not an overlay header.
+    #[error("overlay {path} is not a valid ember overlay: {reason}")]
+    OverlayCorrupt {
+        /// The overlay.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The overlay was written by a newer ember.
+    #[error("overlay {path} has format version {version}; this ember reads version 1")]
+    OverlayVersion {
+        /// The overlay.
+        path: PathBuf,
+        /// Its version.
+        version: u32,
+    },
+    /// The overlay file is shorter than its header says.
+    #[error("overlay {path} is truncated: {len} bytes, its layout needs {expected}")]
+    OverlayTruncated {
+        /// The overlay.
+        path: PathBuf,
+        /// Its length.
+        len: u64,
+        /// The length its header implies.
+        expected: u64,
+    },
+    /// The overlay was made for another base image.
+    #[error("overlay {overlay} does not belong to base {base}: {reason}")]
+    BaseMismatch {
+        /// The overlay.
+        overlay: PathBuf,
+        /// The base given.
+        base: PathBuf,
+        /// What differs.
+        reason: String,
+    },
+    /// The snapshot's disk size differs from the image's.
+    #[error(
+        "disk image {path} has {image_sectors} sectors but the snapshot's disk had \
+         {state_sectors}"
+    )]
+    SizeMismatch {
+        /// The image.
+        path: PathBuf,
+        /// Sectors in the snapshot.
+        state_sectors: u64,
+        /// Sectors of the image.
+        image_sectors: u64,
+    },
+    /// The snapshot state cannot be restored onto this disk.
+    #[error("cannot restore disk {path} from the snapshot: {reason}")]
+    Restore {
+        /// The image (overlay) given for the restore.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Takes a non-blocking `flock` on `file` (shared or exclusive).
+pub(crate) fn lock_file(file: &File, exclusive: bool, path: &Path) -> Result<(), BlockError> {
+    let op = if exclusive {
+        libc::LOCK_EX
+    } else {
+        libc::LOCK_SH
+    } | libc::LOCK_NB;
+    // SAFETY: `flock` takes a descriptor that `file` keeps open for the whole call and an
+    // integer; it accesses no memory of ours.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), op) };
+    if rc == 0 {
+        return Ok(());
+    }
+    Err(BlockError::Locked {
+        path: path.to_path_buf(),
+        // We wanted exclusive: someone has it at all; we wanted shared: someone writes it.
+        held: if exclusive { "already" } else { "for writing" },
+        source: std::io::Error::last_os_error(),
+    })
 }
 
 #[derive(Clone, Copy, Default)]
@@ -115,6 +274,47 @@ pub struct BlockMetrics {
     pub write_bytes: u64,
 }
 
+/// Where the disk's bytes live.
+enum Backend {
+    Raw { file: File, writable: bool },
+    Overlay(Box<Overlay>),
+}
+
+impl Backend {
+    fn writable(&self) -> bool {
+        match self {
+            Backend::Raw { writable, .. } => *writable,
+            Backend::Overlay(_) => true,
+        }
+    }
+
+    fn read_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+        match self {
+            Backend::Raw { file, .. } => file.read_exact_at(buf, off),
+            Backend::Overlay(o) => o.read_at(buf, off),
+        }
+    }
+
+    fn write_at(&mut self, buf: &[u8], off: u64) -> std::io::Result<()> {
+        match self {
+            Backend::Raw { file, .. } => file.write_all_at(buf, off),
+            Backend::Overlay(o) => o.write_at(buf, off),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Backend::Raw { file, writable } => {
+                if *writable {
+                    file.sync_data()?;
+                }
+                Ok(())
+            }
+            Backend::Overlay(o) => o.flush(),
+        }
+    }
+}
+
 struct Active {
     mem: GuestMemoryMmap,
     interrupt: Arc<Interrupt>,
@@ -124,13 +324,14 @@ struct Active {
 /// A virtio-blk device.
 pub struct Block {
     config: BlockConfig,
-    file: File,
+    backend: Backend,
     sectors: u64,
     acked: u64,
     queue_evt: [EventFd; 1],
     active: Option<Active>,
     broken: bool,
     metrics: BlockMetrics,
+    buf: Vec<u8>,
 }
 
 impl std::fmt::Debug for Block {
@@ -143,43 +344,75 @@ impl std::fmt::Debug for Block {
     }
 }
 
-impl Block {
-    /// Opens the image; read-only mode opens it `O_RDONLY` so the VMM itself cannot write it.
-    pub fn new(config: BlockConfig) -> Result<Self, BlockError> {
-        if config.id.len() > ID_LEN {
-            return Err(BlockError::IdTooLong(config.id));
-        }
-        let open = |path: &Path| {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(config.mode == BlockMode::ReadWrite)
-                .open(path)
-        };
-        let file = open(&config.path).map_err(|source| BlockError::Open {
+fn open_raw(config: &BlockConfig) -> Result<(Backend, u64), BlockError> {
+    let writable = config.mode == BlockMode::ReadWrite;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(writable)
+        .open(&config.path)
+        .map_err(|source| BlockError::Open {
             path: config.path.clone(),
             source,
         })?;
-        let size = file
-            .metadata()
-            .map_err(|source| BlockError::Open {
-                path: config.path.clone(),
-                source,
-            })?
-            .len();
-        if size == 0 || size % SECTOR_SIZE != 0 {
-            return Err(BlockError::BadSize {
-                path: config.path,
-                size,
-            });
+    lock_file(&file, writable, &config.path)?;
+    let size = file
+        .metadata()
+        .map_err(|source| BlockError::Open {
+            path: config.path.clone(),
+            source,
+        })?
+        .len();
+    if size == 0 || size & (SECTOR_SIZE - 1) != 0 {
+        return Err(BlockError::BadSize {
+            path: config.path.clone(),
+            size,
+        });
+    }
+    Ok((Backend::Raw { file, writable }, size))
+}
+
+impl Block {
+    /// Opens the image. Read-only mode opens it `O_RDONLY` so the VMM itself cannot write it;
+    /// overlay mode opens the base `O_RDONLY` and opens or creates the overlay.
+    pub fn new(config: BlockConfig) -> Result<Self, BlockError> {
+        Self::open(config, Create::IfMissing)
+    }
+
+    fn open(config: BlockConfig, create: Create) -> Result<Self, BlockError> {
+        let (backend, size) = Self::open_backend(&config, create)?;
+        if let Backend::Overlay(o) = &backend {
+            if o.created() {
+                tracing::info!("virtio-blk: created overlay {}", config.path.display());
+            }
+            o.begin_writing()?;
         }
+        Self::with_backend(config, backend, size)
+    }
+
+    fn open_backend(config: &BlockConfig, create: Create) -> Result<(Backend, u64), BlockError> {
+        if config.id.len() > ID_LEN {
+            return Err(BlockError::IdTooLong(config.id.clone()));
+        }
+        match &config.mode {
+            BlockMode::ReadWrite | BlockMode::ReadOnly => open_raw(config),
+            BlockMode::Overlay { base } => {
+                let o = Overlay::open(&config.path, base, create)?;
+                let size = o.disk_size();
+                Ok((Backend::Overlay(Box::new(o)), size))
+            }
+        }
+    }
+
+    fn with_backend(config: BlockConfig, backend: Backend, size: u64) -> Result<Self, BlockError> {
         Ok(Self {
-            file,
+            backend,
             sectors: size / SECTOR_SIZE,
             acked: 0,
             queue_evt: [EventFd::new(libc::EFD_NONBLOCK).map_err(BlockError::EventFd)?],
             active: None,
             broken: false,
             metrics: BlockMetrics::default(),
+            buf: Vec::new(),
             config,
         })
     }
@@ -194,6 +427,29 @@ impl Block {
         self.metrics
     }
 
+    /// Disk size in 512-byte sectors.
+    pub fn sectors(&self) -> u64 {
+        self.sectors
+    }
+
+    /// Clusters this VM has written into its overlay (`None` outside overlay mode).
+    pub fn overlay_allocated_clusters(&self) -> Option<u64> {
+        match &self.backend {
+            Backend::Overlay(o) => Some(o.allocated_clusters()),
+            Backend::Raw { .. } => None,
+        }
+    }
+
+    /// Makes every completed write durable, as a guest FLUSH does. The VMM may call it at a
+    /// clean shutdown; dropping the device does it too for overlays.
+    pub fn flush(&mut self) -> Result<(), BlockError> {
+        self.backend.flush().map_err(|source| BlockError::Io {
+            path: self.config.path.clone(),
+            what: "flush",
+            source,
+        })
+    }
+
     fn process_queue(&mut self) {
         let Some(active) = self.active.as_mut() else {
             return;
@@ -201,6 +457,7 @@ impl Block {
         if self.broken {
             return;
         }
+        let write_through = self.acked & VIRTIO_BLK_F_FLUSH == 0;
         let mut used_any = false;
         loop {
             let mem = &active.mem;
@@ -226,15 +483,15 @@ impl Block {
             }
             for chain in chains {
                 let head = chain.head_index();
-                let written = handle_request(
-                    &self.file,
-                    self.config.mode,
-                    self.sectors,
-                    &self.config.id,
-                    mem,
-                    chain,
-                    &mut self.metrics,
-                );
+                let mut req = Request {
+                    backend: &mut self.backend,
+                    sectors: self.sectors,
+                    id: &self.config.id,
+                    write_through,
+                    metrics: &mut self.metrics,
+                    buf: &mut self.buf,
+                };
+                let written = req.handle(mem, chain);
                 if let Err(e) = active.queue.add_used(mem, head, written) {
                     tracing::warn!("virtio-blk: cannot complete request {head}: {e}");
                 }
@@ -242,10 +499,7 @@ impl Block {
             }
         }
         if used_any {
-            let notify = active
-                .queue
-                .needs_notification(&active.mem)
-                .unwrap_or(true);
+            let notify = active.queue.needs_notification(&active.mem).unwrap_or(true);
             if notify {
                 active.interrupt.trigger(interrupt_cause::VRING);
             }
@@ -253,130 +507,138 @@ impl Block {
     }
 }
 
-/// Executes one request; returns the number of bytes written into guest memory.
-fn handle_request(
-    file: &File,
-    mode: BlockMode,
+/// One request's view of the device.
+struct Request<'a> {
+    backend: &'a mut Backend,
     sectors: u64,
-    id: &str,
-    mem: &GuestMemoryMmap,
-    chain: virtio_queue::DescriptorChain<&GuestMemoryMmap>,
-    metrics: &mut BlockMetrics,
-) -> u32 {
-    let (mut reader, mut writer) = match (chain.clone().reader(mem), chain.writer(mem)) {
-        (Ok(r), Ok(w)) => (r, w),
-        _ => {
-            metrics.malformed += 1;
-            return 0;
-        }
-    };
-    let avail = writer.available_bytes();
-    if avail == 0 {
-        metrics.malformed += 1;
-        return 0;
-    }
-    let Ok(mut status_w) = writer.split_at(avail - 1) else {
-        metrics.malformed += 1;
-        return 0;
-    };
-    let (status, data_written) = match reader.read_obj::<RequestHeader>() {
-        Ok(h) => execute(file, mode, sectors, id, h, &mut reader, &mut writer, metrics),
-        Err(_) => (S_IOERR, 0),
-    };
-    if status == S_OK {
-        metrics.ok += 1;
-    } else {
-        metrics.errors += 1;
-    }
-    if status_w.write_all(&[status]).is_err() {
-        metrics.malformed += 1;
-    }
-    u32::try_from(data_written + 1).unwrap_or(u32::MAX)
+    id: &'a str,
+    write_through: bool,
+    metrics: &'a mut BlockMetrics,
+    buf: &'a mut Vec<u8>,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn execute(
-    file: &File,
-    mode: BlockMode,
-    sectors: u64,
-    id: &str,
-    h: RequestHeader,
-    reader: &mut virtio_queue::Reader<'_>,
-    writer: &mut virtio_queue::Writer<'_>,
-    metrics: &mut BlockMetrics,
-) -> (u8, usize) {
-    let in_bounds = |len: usize| {
+impl Request<'_> {
+    /// Executes one request; returns the number of bytes written into guest memory.
+    fn handle(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        chain: virtio_queue::DescriptorChain<&GuestMemoryMmap>,
+    ) -> u32 {
+        let (mut reader, mut writer) = match (chain.clone().reader(mem), chain.writer(mem)) {
+            (Ok(r), Ok(w)) => (r, w),
+            _ => {
+                self.metrics.malformed += 1;
+                return 0;
+            }
+        };
+        let avail = writer.available_bytes();
+        if avail == 0 {
+            self.metrics.malformed += 1;
+            return 0;
+        }
+        let Ok(mut status_w) = writer.split_at(avail - 1) else {
+            self.metrics.malformed += 1;
+            return 0;
+        };
+        let (status, data_written) = match reader.read_obj::<RequestHeader>() {
+            Ok(h) => self.execute(h, &mut reader, &mut writer),
+            Err(_) => (S_IOERR, 0),
+        };
+        if status == S_OK {
+            self.metrics.ok += 1;
+        } else {
+            self.metrics.errors += 1;
+        }
+        if status_w.write_all(&[status]).is_err() {
+            self.metrics.malformed += 1;
+        }
+        u32::try_from(data_written + 1).unwrap_or(u32::MAX)
+    }
+
+    fn in_bounds(&self, h: &RequestHeader, len: usize) -> bool {
         let len = len as u64;
-        len % SECTOR_SIZE == 0
+        len & (SECTOR_SIZE - 1) == 0
             && h.sector
                 .checked_add(len / SECTOR_SIZE)
-                .is_some_and(|end| end <= sectors)
-    };
-    let mut buf = vec![0u8; 0];
-    match h.kind {
-        T_IN => {
-            let len = writer.available_bytes();
-            if !in_bounds(len) {
-                return (S_IOERR, 0);
-            }
-            let mut off = h.sector * SECTOR_SIZE;
-            let mut done = 0;
-            buf.resize(len.min(CHUNK), 0);
-            while done < len {
-                let n = (len - done).min(CHUNK);
-                if file.read_exact_at(&mut buf[..n], off).is_err() {
-                    return (S_IOERR, done);
-                }
-                if writer.write_all(&buf[..n]).is_err() {
-                    return (S_IOERR, done);
-                }
-                done += n;
-                off += n as u64;
-            }
-            metrics.read_bytes += len as u64;
-            (S_OK, len)
-        }
-        T_OUT => {
-            if mode == BlockMode::ReadOnly {
-                return (S_IOERR, 0);
-            }
-            let len = reader.available_bytes();
-            if !in_bounds(len) {
-                return (S_IOERR, 0);
-            }
-            let mut off = h.sector * SECTOR_SIZE;
-            let mut done = 0;
-            buf.resize(len.min(CHUNK), 0);
-            while done < len {
-                let n = (len - done).min(CHUNK);
-                if reader.read_exact(&mut buf[..n]).is_err() {
+                .is_some_and(|end| end <= self.sectors)
+    }
+
+    fn execute(
+        &mut self,
+        h: RequestHeader,
+        reader: &mut virtio_queue::Reader<'_>,
+        writer: &mut virtio_queue::Writer<'_>,
+    ) -> (u8, usize) {
+        match h.kind {
+            T_IN => {
+                let len = writer.available_bytes();
+                if !self.in_bounds(&h, len) {
                     return (S_IOERR, 0);
                 }
-                if file.write_all_at(&buf[..n], off).is_err() {
+                let mut off = h.sector * SECTOR_SIZE;
+                let mut done = 0;
+                self.buf.resize(len.min(CHUNK), 0);
+                while done < len {
+                    let n = (len - done).min(CHUNK);
+                    if self.backend.read_at(&mut self.buf[..n], off).is_err() {
+                        return (S_IOERR, done);
+                    }
+                    if writer.write_all(&self.buf[..n]).is_err() {
+                        return (S_IOERR, done);
+                    }
+                    done += n;
+                    off += n as u64;
+                }
+                self.metrics.read_bytes += len as u64;
+                (S_OK, len)
+            }
+            T_OUT => {
+                if !self.backend.writable() {
                     return (S_IOERR, 0);
                 }
-                done += n;
-                off += n as u64;
+                let len = reader.available_bytes();
+                if !self.in_bounds(&h, len) {
+                    return (S_IOERR, 0);
+                }
+                let mut off = h.sector * SECTOR_SIZE;
+                let mut done = 0;
+                self.buf.resize(len.min(CHUNK), 0);
+                while done < len {
+                    let n = (len - done).min(CHUNK);
+                    if reader.read_exact(&mut self.buf[..n]).is_err() {
+                        return (S_IOERR, 0);
+                    }
+                    if self.backend.write_at(&self.buf[..n], off).is_err() {
+                        return (S_IOERR, 0);
+                    }
+                    done += n;
+                    off += n as u64;
+                }
+                self.metrics.write_bytes += len as u64;
+                if self.write_through && self.backend.flush().is_err() {
+                    return (S_IOERR, 0);
+                }
+                (S_OK, 0)
             }
-            metrics.write_bytes += len as u64;
-            (S_OK, 0)
-        }
-        T_FLUSH => {
-            if mode == BlockMode::ReadWrite && file.sync_data().is_err() {
-                return (S_IOERR, 0);
+            T_FLUSH => {
+                if self.backend.flush().is_err() {
+                    return (S_IOERR, 0);
+                }
+                (S_OK, 0)
             }
-            (S_OK, 0)
-        }
-        T_GET_ID => {
-            let mut idb = [0u8; ID_LEN];
-            idb[..id.len()].copy_from_slice(id.as_bytes());
-            let n = writer.available_bytes().min(ID_LEN);
-            if writer.write_all(&idb[..n]).is_err() {
-                return (S_IOERR, 0);
+            T_GET_ID => {
+                let mut idb = [0u8; ID_LEN];
+                let id = self.id.as_bytes();
+                let n = id.len().min(ID_LEN);
+                idb[..n].copy_from_slice(&id[..n]);
+                let n = writer.available_bytes().min(ID_LEN);
+                if writer.write_all(&idb[..n]).is_err() {
+                    return (S_IOERR, 0);
+                }
+                (S_OK, n)
             }
-            (S_OK, n)
+            _ => (S_UNSUPP, 0),
         }
-        _ => (S_UNSUPP, 0),
     }
 }
 
@@ -391,7 +653,7 @@ impl VirtioDevice for Block {
 
     fn avail_features(&self) -> u64 {
         let mut f = super::VIRTIO_F_VERSION_1 | VIRTIO_BLK_F_FLUSH | VIRTIO_RING_F_EVENT_IDX;
-        if self.config.mode == BlockMode::ReadOnly {
+        if !self.backend.writable() {
             f |= VIRTIO_BLK_F_RO;
         }
         f
@@ -484,7 +746,9 @@ mod tests {
 
     fn fixture(mode: BlockMode, sectors: u64) -> Fixture {
         let img = tempfile::NamedTempFile::new().unwrap();
-        let data: Vec<u8> = (0..sectors * SECTOR_SIZE).map(|i| (i / 512) as u8).collect();
+        let data: Vec<u8> = (0..sectors * SECTOR_SIZE)
+            .map(|i| (i / 512) as u8)
+            .collect();
         std::fs::write(img.path(), &data).unwrap();
         let dev = Block::new(BlockConfig {
             path: img.path().to_path_buf(),
@@ -545,7 +809,11 @@ mod tests {
         let mut f = fixture(BlockMode::ReadOnly, 8);
         let (st, used) = run(
             &mut f,
-            &[(0x1000, 16, F_NEXT), (0x2000, 1024, F_NEXT | F_WRITE), (0x3000, 1, F_WRITE)],
+            &[
+                (0x1000, 16, F_NEXT),
+                (0x2000, 1024, F_NEXT | F_WRITE),
+                (0x3000, 1, F_WRITE),
+            ],
             hdr(T_IN, 2),
         );
         assert_eq!((st, used), (S_OK, 1025));
@@ -558,10 +826,16 @@ mod tests {
     #[test]
     fn writes_reach_the_image_in_rw_mode() {
         let mut f = fixture(BlockMode::ReadWrite, 8);
-        f.mem.write_slice(&[0xabu8; 512], GuestAddress(0x2000)).unwrap();
+        f.mem
+            .write_slice(&[0xabu8; 512], GuestAddress(0x2000))
+            .unwrap();
         let (st, _) = run(
             &mut f,
-            &[(0x1000, 16, F_NEXT), (0x2000, 512, F_NEXT), (0x3000, 1, F_WRITE)],
+            &[
+                (0x1000, 16, F_NEXT),
+                (0x2000, 512, F_NEXT),
+                (0x3000, 1, F_WRITE),
+            ],
             hdr(T_OUT, 7),
         );
         assert_eq!(st, S_OK);
@@ -577,7 +851,11 @@ mod tests {
         let before = std::fs::read(f.dev.config().path.clone()).unwrap();
         let (st, _) = run(
             &mut f,
-            &[(0x1000, 16, F_NEXT), (0x2000, 512, F_NEXT), (0x3000, 1, F_WRITE)],
+            &[
+                (0x1000, 16, F_NEXT),
+                (0x2000, 512, F_NEXT),
+                (0x3000, 1, F_WRITE),
+            ],
             hdr(T_OUT, 0),
         );
         assert_eq!(st, S_IOERR);
@@ -590,7 +868,11 @@ mod tests {
             let mut f = fixture(BlockMode::ReadWrite, 8);
             let (st, _) = run(
                 &mut f,
-                &[(0x1000, 16, F_NEXT), (0x2000, len, F_NEXT | F_WRITE), (0x3000, 1, F_WRITE)],
+                &[
+                    (0x1000, 16, F_NEXT),
+                    (0x2000, len, F_NEXT | F_WRITE),
+                    (0x3000, 1, F_WRITE),
+                ],
                 hdr(T_IN, sector),
             );
             assert_eq!(st, S_IOERR, "sector {sector} len {len}");
@@ -602,7 +884,11 @@ mod tests {
         let mut f = fixture(BlockMode::ReadOnly, 8);
         let (st, used) = run(
             &mut f,
-            &[(0x1000, 16, F_NEXT), (0x2000, 20, F_NEXT | F_WRITE), (0x3000, 1, F_WRITE)],
+            &[
+                (0x1000, 16, F_NEXT),
+                (0x2000, 20, F_NEXT | F_WRITE),
+                (0x3000, 1, F_WRITE),
+            ],
             hdr(T_GET_ID, 0),
         );
         assert_eq!((st, used), (S_OK, 21));
@@ -610,7 +896,11 @@ mod tests {
         f.mem.read_slice(&mut id, GuestAddress(0x2000)).unwrap();
         assert_eq!(&id, b"ember-disk");
         let mut f = fixture(BlockMode::ReadOnly, 8);
-        let (st, _) = run(&mut f, &[(0x1000, 16, F_NEXT), (0x3000, 1, F_WRITE)], hdr(99, 0));
+        let (st, _) = run(
+            &mut f,
+            &[(0x1000, 16, F_NEXT), (0x3000, 1, F_WRITE)],
+            hdr(99, 0),
+        );
         assert_eq!(st, S_UNSUPP);
     }
 
@@ -625,13 +915,21 @@ mod tests {
         let mut f = fixture(BlockMode::ReadWrite, 8);
         let (_, used) = run(
             &mut f,
-            &[(0x1000, 16, F_NEXT), (0xffff_f000, 4096, F_NEXT | F_WRITE), (0x3000, 1, F_WRITE)],
+            &[
+                (0x1000, 16, F_NEXT),
+                (0xffff_f000, 4096, F_NEXT | F_WRITE),
+                (0x3000, 1, F_WRITE),
+            ],
             hdr(T_IN, 0),
         );
         assert_eq!(used, 0);
         // Header shorter than a request header.
         let mut f = fixture(BlockMode::ReadWrite, 8);
-        let (st, _) = run(&mut f, &[(0x1000, 4, F_NEXT), (0x3000, 1, F_WRITE)], hdr(T_IN, 0));
+        let (st, _) = run(
+            &mut f,
+            &[(0x1000, 4, F_NEXT), (0x3000, 1, F_WRITE)],
+            hdr(T_IN, 0),
+        );
         assert_eq!(st, S_IOERR);
     }
 
@@ -644,7 +942,10 @@ mod tests {
             mode: BlockMode::ReadOnly,
             id: String::new(),
         };
-        assert!(matches!(Block::new(cfg(img.path())), Err(BlockError::BadSize { .. })));
+        assert!(matches!(
+            Block::new(cfg(img.path())),
+            Err(BlockError::BadSize { .. })
+        ));
         assert!(matches!(
             Block::new(cfg(Path::new("/nonexistent/disk.img"))),
             Err(BlockError::Open { .. })

@@ -64,7 +64,7 @@
 //!
 //! # Generations and snapshots
 //! The generation is bumped when a VMM opens the overlay for writing, when a snapshot is taken
-//! ([`Overlay::persist_for_snapshot`]), and on the first write after a snapshot. A snapshot
+//! (`Block`'s `Persist::save`), and on the first write after a snapshot. A snapshot
 //! records the overlay's lineage id and generation; a restore accepts only an overlay with the
 //! same pair, i.e. an untouched copy of the overlay as it was at snapshot time.
 
@@ -95,8 +95,10 @@ const BITMAP_BLOCK: u64 = 4096;
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Crc64(u64);
 
-const CRC64_TABLE: [u64; 256] = {
-    let mut table = [0u64; 256];
+/// Slicing-by-8 tables: `T[0]` is the classic byte table, `T[k][b]` advances `T[0][b]` by `k`
+/// more zero bytes.
+const CRC64_TABLES: [[u64; 256]; 8] = {
+    let mut t = [[0u64; 256]; 8];
     let mut i = 0;
     while i < 256 {
         let mut c = i as u64;
@@ -109,10 +111,20 @@ const CRC64_TABLE: [u64; 256] = {
             };
             k += 1;
         }
-        table[i] = c;
+        t[0][i] = c;
         i += 1;
     }
-    table
+    let mut k = 1;
+    while k < 8 {
+        let mut i = 0;
+        while i < 256 {
+            let prev = t[k - 1][i];
+            t[k][i] = (prev >> 8) ^ t[0][(prev & 0xff) as usize];
+            i += 1;
+        }
+        k += 1;
+    }
+    t
 };
 
 impl Crc64 {
@@ -121,9 +133,24 @@ impl Crc64 {
     }
 
     pub(crate) fn update(&mut self, data: &[u8]) {
-        for &b in data {
-            self.0 = CRC64_TABLE[((self.0 ^ u64::from(b)) & 0xff) as usize] ^ (self.0 >> 8);
+        let t = &CRC64_TABLES;
+        let mut crc = self.0;
+        let mut chunks = data.chunks_exact(8);
+        for c in &mut chunks {
+            let x = crc ^ u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+            crc = t[7][(x & 0xff) as usize]
+                ^ t[6][((x >> 8) & 0xff) as usize]
+                ^ t[5][((x >> 16) & 0xff) as usize]
+                ^ t[4][((x >> 24) & 0xff) as usize]
+                ^ t[3][((x >> 32) & 0xff) as usize]
+                ^ t[2][((x >> 40) & 0xff) as usize]
+                ^ t[1][((x >> 48) & 0xff) as usize]
+                ^ t[0][(x >> 56) as usize];
         }
+        for &b in chunks.remainder() {
+            crc = t[0][((crc ^ u64::from(b)) & 0xff) as usize] ^ (crc >> 8);
+        }
+        self.0 = crc;
     }
 
     pub(crate) fn finish(self) -> u64 {
@@ -204,7 +231,12 @@ fn layout(disk_size: u64, cluster_size: u32) -> Option<(u64, u64, u64, u64)> {
 }
 
 impl Header {
-    fn new(disk_size: u64, cluster_size: u32, base_fingerprint: u64, uuid: [u8; 16]) -> Option<Self> {
+    fn new(
+        disk_size: u64,
+        cluster_size: u32,
+        base_fingerprint: u64,
+        uuid: [u8; 16],
+    ) -> Option<Self> {
         let (cluster_count, bitmap_len, data_offset, _) = layout(disk_size, cluster_size)?;
         Some(Self {
             cluster_size,
@@ -281,7 +313,10 @@ impl Header {
         };
         let bad = |s: String| Err(SlotError::Layout(s));
         if u64::from(u32_at(12)) != HEADER_AREA_LEN {
-            return bad(format!("header area length {} (expected {HEADER_AREA_LEN})", u32_at(12)));
+            return bad(format!(
+                "header area length {} (expected {HEADER_AREA_LEN})",
+                u32_at(12)
+            ));
         }
         if u32_at(20) != 0 {
             return bad(format!("unknown flags {:#x}", u32_at(20)));
@@ -289,9 +324,12 @@ impl Header {
         if !h.cluster_size.is_power_of_two()
             || !(MIN_CLUSTER_SIZE..=MAX_CLUSTER_SIZE).contains(&h.cluster_size)
         {
-            return bad(format!("cluster size {} is not a power of two in 4 KiB..=2 MiB", h.cluster_size));
+            return bad(format!(
+                "cluster size {} is not a power of two in 4 KiB..=2 MiB",
+                h.cluster_size
+            ));
         }
-        if h.disk_size == 0 || h.disk_size % SECTOR_SIZE != 0 || h.base_size != h.disk_size {
+        if h.disk_size == 0 || h.disk_size & (SECTOR_SIZE - 1) != 0 || h.base_size != h.disk_size {
             return bad(format!(
                 "disk size {} / base size {} (must be equal, non-zero multiples of 512)",
                 h.disk_size, h.base_size
@@ -381,7 +419,7 @@ impl std::fmt::Debug for Overlay {
     }
 }
 
-fn io_err(path: &Path, what: &'static str) -> impl FnOnce(io::Error) -> BlockError + '_ {
+fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> BlockError + 'a {
     move |source| BlockError::Io {
         path: path.to_path_buf(),
         what,
@@ -407,8 +445,11 @@ impl Overlay {
                 source,
             })?;
         lock_file(&base, false, base_path)?;
-        let base_size = base.metadata().map_err(io_err(base_path, "stat the base"))?.len();
-        if base_size == 0 || base_size % SECTOR_SIZE != 0 {
+        let base_size = base
+            .metadata()
+            .map_err(io_err(base_path, "stat the base"))?
+            .len();
+        if base_size == 0 || base_size & (SECTOR_SIZE - 1) != 0 {
             return Err(BlockError::BadSize {
                 path: base_path.to_path_buf(),
                 size: base_size,
@@ -468,7 +509,10 @@ impl Overlay {
             });
         }
         let expected = header.file_len().unwrap_or(u64::MAX);
-        let len = file.metadata().map_err(io_err(path, "stat the overlay"))?.len();
+        let len = file
+            .metadata()
+            .map_err(io_err(path, "stat the overlay"))?
+            .len();
         if len < expected {
             return Err(BlockError::OverlayTruncated {
                 path: path.to_path_buf(),
@@ -476,10 +520,14 @@ impl Overlay {
                 expected,
             });
         }
-        let bitmap_len = usize::try_from(header.bitmap_len).map_err(|_| BlockError::OverlayCorrupt {
-            path: path.to_path_buf(),
-            reason: format!("bitmap of {} bytes does not fit in memory", header.bitmap_len),
-        })?;
+        let bitmap_len =
+            usize::try_from(header.bitmap_len).map_err(|_| BlockError::OverlayCorrupt {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "bitmap of {} bytes does not fit in memory",
+                    header.bitmap_len
+                ),
+            })?;
         let mut bitmap = vec![0u8; bitmap_len];
         file.read_exact_at(&mut bitmap, header.bitmap_offset)
             .map_err(io_err(path, "read the allocation bitmap"))?;
@@ -577,7 +625,10 @@ impl Overlay {
             Some(end) if end <= self.header.disk_size => Ok(()),
             _ => Err(io::Error::new(
                 ErrorKind::InvalidInput,
-                format!("{len} bytes at {off} lie outside the {}-byte disk", self.header.disk_size),
+                format!(
+                    "{len} bytes at {off} lie outside the {}-byte disk",
+                    self.header.disk_size
+                ),
             )),
         }
     }
@@ -601,7 +652,8 @@ impl Overlay {
             let n = (end.min(stop) - pos) as usize;
             let dst = &mut buf[done..done + n];
             if alloc {
-                self.file.read_exact_at(dst, self.header.data_offset + pos)?;
+                self.file
+                    .read_exact_at(dst, self.header.data_offset + pos)?;
             } else {
                 self.base.read_exact_at(dst, pos)?;
             }
@@ -634,13 +686,15 @@ impl Overlay {
                 // Bytes of this cluster that belong to the disk (the last may be short).
                 let valid = (disk - start).min(cs) as usize;
                 if in_cluster == 0 && n == valid {
-                    self.file.write_all_at(src, self.header.data_offset + start)?;
+                    self.file
+                        .write_all_at(src, self.header.data_offset + start)?;
                 } else {
                     let cbuf = &mut self.cluster_buf[..valid];
                     self.base.read_exact_at(cbuf, start)?;
                     let at = in_cluster as usize;
                     cbuf[at..at + n].copy_from_slice(src);
-                    self.file.write_all_at(cbuf, self.header.data_offset + start)?;
+                    self.file
+                        .write_all_at(cbuf, self.header.data_offset + start)?;
                 }
                 self.set_allocated(cluster);
             }
@@ -690,14 +744,20 @@ impl Overlay {
 impl Drop for Overlay {
     fn drop(&mut self) {
         if let Err(e) = self.flush() {
-            tracing::error!("virtio-blk: cannot flush overlay {} on close: {e}", self.path.display());
+            tracing::error!(
+                "virtio-blk: cannot flush overlay {} on close: {e}",
+                self.path.display()
+            );
         }
     }
 }
 
 /// Reads and validates the header of an overlay.
 pub(crate) fn read_header(file: &File, path: &Path) -> Result<Header, BlockError> {
-    let len = file.metadata().map_err(io_err(path, "stat the overlay"))?.len();
+    let len = file
+        .metadata()
+        .map_err(io_err(path, "stat the overlay"))?
+        .len();
     if len < HEADER_AREA_LEN {
         return Err(BlockError::OverlayTruncated {
             path: path.to_path_buf(),
@@ -721,7 +781,9 @@ pub(crate) fn read_header(file: &File, path: &Path) -> Result<Header, BlockError
             );
             Ok(h)
         }
-        (Err(SlotError::Version(v)), _) | (_, Err(SlotError::Version(v))) if v > OVERLAY_VERSION => {
+        (Err(SlotError::Version(v)), _) | (_, Err(SlotError::Version(v)))
+            if v > OVERLAY_VERSION =>
+        {
             Err(BlockError::OverlayVersion {
                 path: path.to_path_buf(),
                 version: v,
@@ -738,17 +800,21 @@ pub(crate) fn read_header(file: &File, path: &Path) -> Result<Header, BlockError
 /// file is built under a temporary name, synced, then hard-linked into place (which fails if
 /// `path` appeared meanwhile: `Ok(None)`).
 fn create_file(path: &Path, base_size: u64, fingerprint: u64) -> Result<Option<File>, BlockError> {
-    let header = Header::new(base_size, DEFAULT_CLUSTER_SIZE, fingerprint, new_uuid()).ok_or_else(
-        || BlockError::BadSize {
-            path: path.to_path_buf(),
-            size: base_size,
-        },
-    )?;
+    let header =
+        Header::new(base_size, DEFAULT_CLUSTER_SIZE, fingerprint, new_uuid()).ok_or_else(|| {
+            BlockError::BadSize {
+                path: path.to_path_buf(),
+                size: base_size,
+            }
+        })?;
     let file_len = header.file_len().ok_or_else(|| BlockError::BadSize {
         path: path.to_path_buf(),
         size: base_size,
     })?;
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
     let cleanup = |e: BlockError| {
         let _ = std::fs::remove_file(&tmp);
@@ -770,7 +836,9 @@ fn create_file(path: &Path, base_size: u64, fingerprint: u64) -> Result<Option<F
         file.set_len(file_len)?;
         file.sync_all()
     };
-    init().map_err(io_err(path, "initialise the new overlay")).map_err(cleanup)?;
+    init()
+        .map_err(io_err(path, "initialise the new overlay"))
+        .map_err(cleanup)?;
     match std::fs::hard_link(&tmp, path) {
         Ok(()) => {}
         Err(e) if e.kind() == ErrorKind::AlreadyExists => {
@@ -797,7 +865,9 @@ mod tests {
 
     fn base(dir: &Path, sectors: u64) -> PathBuf {
         let p = dir.join("base.img");
-        let data: Vec<u8> = (0..sectors * SECTOR_SIZE).map(|i| (i / 512) as u8).collect();
+        let data: Vec<u8> = (0..sectors * SECTOR_SIZE)
+            .map(|i| (i / 512) as u8)
+            .collect();
         std::fs::write(&p, data).unwrap();
         p
     }
@@ -807,6 +877,22 @@ mod tests {
         let mut c = Crc64::new();
         c.update(b"123456789");
         assert_eq!(c.finish(), 0x995d_c9bb_df19_39fa);
+        // Split anywhere, the slicing path and the byte path agree.
+        let data: Vec<u8> = (0..1000u32).map(|i| (i * 7 + i / 13) as u8).collect();
+        let mut whole = Crc64::new();
+        whole.update(&data);
+        for split in [0, 1, 7, 8, 9, 500, 999] {
+            let mut c = Crc64::new();
+            c.update(&data[..split]);
+            c.update(&data[split..]);
+            assert_eq!(c.finish(), whole.finish(), "split at {split}");
+        }
+        let mut bytewise = !0u64;
+        for &b in &data {
+            bytewise =
+                CRC64_TABLES[0][((bytewise ^ u64::from(b)) & 0xff) as usize] ^ (bytewise >> 8);
+        }
+        assert_eq!(!bytewise, whole.finish());
     }
 
     #[test]
@@ -828,10 +914,16 @@ mod tests {
     fn header_with_inconsistent_layout_is_refused() {
         let mut h = Header::new(1 << 20, 4096, 0, [0; 16]).unwrap();
         h.cluster_count += 1;
-        assert!(matches!(Header::decode(&h.encode()), Err(SlotError::Layout(_))));
+        assert!(matches!(
+            Header::decode(&h.encode()),
+            Err(SlotError::Layout(_))
+        ));
         let mut h = Header::new(1 << 20, 4096, 0, [0; 16]).unwrap();
         h.cluster_size = 3000;
-        assert!(matches!(Header::decode(&h.encode()), Err(SlotError::Layout(_))));
+        assert!(matches!(
+            Header::decode(&h.encode()),
+            Err(SlotError::Layout(_))
+        ));
     }
 
     #[test]
@@ -875,6 +967,40 @@ mod tests {
     }
 
     #[test]
+    fn newer_versions_are_named_as_such() {
+        let dir = tempfile::tempdir().unwrap();
+        let o = dir.path().join("ovl");
+        let mut slot = Header::new(1 << 20, 4096, 0, [0; 16]).unwrap().encode();
+        slot[8..12].copy_from_slice(&2u32.to_le_bytes());
+        let mut crc = Crc64::new();
+        crc.update(&slot[..FIELDS_LEN]);
+        slot[104..112].copy_from_slice(&crc.finish().to_le_bytes());
+        let mut file = slot.to_vec();
+        file.extend_from_slice(&slot);
+        file.resize(HEADER_AREA_LEN as usize, 0);
+        std::fs::write(&o, file).unwrap();
+        let f = File::open(&o).unwrap();
+        assert!(matches!(
+            read_header(&f, &o),
+            Err(BlockError::OverlayVersion { version: 2, .. })
+        ));
+    }
+
+    #[test]
+    fn stray_bitmap_bits_past_the_disk_are_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = base(dir.path(), 300); // 3 clusters
+        let o = dir.path().join("ovl");
+        drop(Overlay::open(&o, &b, Create::IfMissing).unwrap());
+        let f = OpenOptions::new().write(true).open(&o).unwrap();
+        f.write_all_at(&[0xff; 16], HEADER_AREA_LEN).unwrap();
+        drop(f);
+        let ov = Overlay::open(&o, &b, Create::Never).unwrap();
+        assert_eq!(ov.allocated_clusters(), 3);
+        assert!(!ov.is_allocated(3));
+    }
+
+    #[test]
     fn one_torn_header_slot_is_survived() {
         let dir = tempfile::tempdir().unwrap();
         let b = base(dir.path(), 256);
@@ -882,7 +1008,7 @@ mod tests {
         let ov = Overlay::open(&o, &b, Create::IfMissing).unwrap();
         ov.begin_writing().unwrap(); // generation 1 in slot B
         drop(ov);
-        let f = OpenOptions::new().write(true).open(&o).unwrap();
+        let f = OpenOptions::new().read(true).write(true).open(&o).unwrap();
         f.write_all_at(&[0xff; 100], SLOT_LEN as u64).unwrap();
         let h = read_header(&f, &o).unwrap();
         assert_eq!(h.generation, 0);

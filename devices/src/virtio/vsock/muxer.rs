@@ -1,0 +1,708 @@
+//! The host side of the device: the listening Unix socket, host clients completing their
+//! `CONNECT` line, the connection table, and the order in which connections get rx buffers.
+//!
+//! Sockets are registered with the event loop lazily: state changes only mark a connection
+//! dirty, and [`Muxer::sync`] (run at the end of every `process` call, when `EventOps` is at hand)
+//! brings epoll in line. A socket still registered with epoll is never closed directly: it goes
+//! to `zombies` and is unregistered first, because event-manager keeps a map from descriptor
+//! number to subscriber and a reused number would otherwise be refused (or misrouted).
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Read};
+use std::net::Shutdown;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use event_manager::{EventOps, Events};
+use vmm_sys_util::epoll::EventSet;
+
+use super::conn::{ConnKey, Connection, ResetCause, Verdict};
+use super::packet::{op, Header, TYPE_STREAM};
+use super::unix::{self, ConnectLine, Listener, MAX_CONNECT_LINE};
+use super::VsockMetrics;
+
+/// Most connections per device; further requests (either side) are refused.
+pub const MAX_CONNECTIONS: usize = 512;
+/// Most host clients that have connected but not yet sent their `CONNECT` line.
+pub const MAX_HANDSHAKES: usize = 64;
+/// How long a host client has to send its `CONNECT` line.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most control replies (RSTs to packets without a connection) waiting for rx buffers.
+pub const MAX_CTL_REPLIES: usize = 1024;
+/// First host port handed out to host-initiated connections.
+pub const LOCAL_PORT_START: u32 = 1 << 30;
+/// Connections accepted per listener event (fairness with the rest of the event loop).
+const ACCEPT_BURST: usize = 32;
+
+#[derive(Debug)]
+struct Handshake {
+    stream: UnixStream,
+    buf: Vec<u8>,
+    registered: bool,
+    deadline: Instant,
+}
+
+/// What the device should do with a descriptor it got an event for.
+#[derive(Debug, PartialEq, Eq)]
+pub enum FdKind {
+    /// Handled.
+    Known,
+    /// Not ours (any more): unregister it.
+    Unknown,
+}
+
+/// The host side of the device.
+#[derive(Debug)]
+pub struct Muxer {
+    pub guest_cid: u64,
+    uds_path: PathBuf,
+    listener: Option<Listener>,
+    /// Interest registered for the listener; `None`: not registered.
+    listener_registered: Option<EventSet>,
+    /// accept(2) failed for want of resources: stop watching the listener until the next tick
+    /// (a level-triggered listener would otherwise wake the loop in a tight circle).
+    listener_paused: bool,
+    handshakes: HashMap<RawFd, Handshake>,
+    conns: HashMap<ConnKey, Connection>,
+    by_fd: HashMap<RawFd, ConnKey>,
+    rx_ready: VecDeque<ConnKey>,
+    ctl: VecDeque<Header>,
+    dirty: Vec<ConnKey>,
+    zombies: Vec<OwnedFd>,
+    next_port: u32,
+    /// A deadline was set since the timer was last looked at.
+    pub timer_wanted: bool,
+    pub metrics: VsockMetrics,
+}
+
+impl Muxer {
+    /// Listens on `uds_path`.
+    pub fn new(guest_cid: u64, uds_path: PathBuf) -> io::Result<Self> {
+        let listener = Listener::bind(&uds_path)?;
+        Ok(Self {
+            guest_cid,
+            uds_path,
+            listener: Some(listener),
+            listener_registered: None,
+            listener_paused: false,
+            handshakes: HashMap::new(),
+            conns: HashMap::new(),
+            by_fd: HashMap::new(),
+            rx_ready: VecDeque::new(),
+            ctl: VecDeque::new(),
+            dirty: Vec::new(),
+            zombies: Vec::new(),
+            next_port: LOCAL_PORT_START,
+            timer_wanted: false,
+            metrics: VsockMetrics::default(),
+        })
+    }
+
+    /// Number of live connections.
+    pub fn connection_count(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// The listening socket's descriptor.
+    pub fn listener_fd(&self) -> Option<RawFd> {
+        self.listener.as_ref().map(|l| l.sock.as_raw_fd())
+    }
+
+    /// Listens on `path` instead; connections already open stay.
+    pub fn retarget(&mut self, path: PathBuf) -> io::Result<()> {
+        let new = Listener::bind(&path)?;
+        if let Some(old) = self.listener.replace(new) {
+            old.unlink();
+            if self.listener_registered.is_some() {
+                self.zombies.push(OwnedFd::from(old.sock));
+            }
+        }
+        self.listener_registered = None;
+        self.uds_path = path;
+        Ok(())
+    }
+
+    /// Removes the socket file (device going away).
+    pub fn unlink_listener(&self) {
+        if let Some(l) = &self.listener {
+            l.unlink();
+        }
+    }
+
+    fn dispose(&mut self, s: UnixStream, registered: bool) {
+        let _ = s.shutdown(Shutdown::Both);
+        if registered {
+            self.zombies.push(OwnedFd::from(s));
+        }
+    }
+
+    /// Drops every connection (guest reset or transport reset); host peers see EOF at once.
+    pub fn drop_all(&mut self) {
+        let conns: Vec<Connection> = self.conns.drain().map(|(_, c)| c).collect();
+        for mut c in conns {
+            let registered = c.registered.is_some();
+            if let Some(s) = c.take_unix() {
+                self.dispose(s, registered);
+            }
+            self.metrics.conns_closed += 1;
+        }
+        self.by_fd.clear();
+        self.rx_ready.clear();
+        self.ctl.clear();
+        self.dirty.clear();
+    }
+
+    fn retire(&mut self, key: ConnKey) {
+        if let Some(mut c) = self.conns.remove(&key) {
+            if let Some(fd) = c.unix_fd() {
+                self.by_fd.remove(&fd);
+            }
+            let registered = c.registered.is_some();
+            if let Some(s) = c.take_unix() {
+                self.dispose(s, registered);
+            }
+            self.metrics.conns_closed += 1;
+        }
+    }
+
+    fn queue_ctl(&mut self, h: Header) {
+        if self.ctl.len() >= MAX_CTL_REPLIES {
+            self.metrics.replies_dropped += 1;
+            return;
+        }
+        if h.op == op::RST {
+            self.metrics.resets_sent += 1;
+        }
+        self.ctl.push_back(h);
+    }
+
+    /// Acts on what a connection asked for after an event.
+    fn settle(&mut self, key: ConnKey, v: Verdict) {
+        match v {
+            Verdict::Keep => {
+                let Some(c) = self.conns.get_mut(&key) else {
+                    return;
+                };
+                let registered = c.registered.is_some();
+                let fd = c.unix_fd();
+                let finished = c.take_finished_unix();
+                if c.has_deadline() {
+                    self.timer_wanted = true;
+                }
+                if !c.dirty {
+                    c.dirty = true;
+                    self.dirty.push(key);
+                }
+                let rx = c.has_rx_work() && !c.in_rx_queue;
+                if rx {
+                    c.in_rx_queue = true;
+                    self.rx_ready.push_back(key);
+                }
+                if let Some(s) = finished {
+                    if let Some(c) = self.conns.get_mut(&key) {
+                        c.registered = None;
+                    }
+                    if let Some(fd) = fd {
+                        self.by_fd.remove(&fd);
+                    }
+                    self.dispose(s, registered);
+                }
+            }
+            Verdict::Close | Verdict::Reset(_) => {
+                if let Verdict::Reset(cause) = v {
+                    tracing::debug!("vsock: resetting connection {key:?}: {cause:?}");
+                    if cause == ResetCause::CreditViolation {
+                        self.metrics.credit_violations += 1;
+                    }
+                }
+                if let Some(c) = self.conns.get(&key) {
+                    let rst = c.rst_header(self.guest_cid);
+                    self.queue_ctl(rst);
+                }
+                self.retire(key);
+            }
+            Verdict::Drop => self.retire(key),
+        }
+    }
+
+    /// A well-addressed packet from the guest (`payload` is exactly `hdr.len` bytes).
+    pub fn on_guest_packet(&mut self, hdr: &Header, payload: &[u8]) {
+        let key = ConnKey {
+            local_port: hdr.dst_port,
+            peer_port: hdr.src_port,
+        };
+        if self.conns.contains_key(&key) {
+            let v = if hdr.op == op::RST {
+                // Never answer a reset with a reset.
+                Verdict::Drop
+            } else if hdr.kind != TYPE_STREAM || hdr.op == op::REQUEST {
+                // Another request on a live connection, or a foreign socket type.
+                Verdict::Reset(ResetCause::Protocol)
+            } else {
+                match self.conns.get_mut(&key) {
+                    Some(c) => c.on_guest_packet(hdr, payload),
+                    None => return,
+                }
+            };
+            self.settle(key, v);
+            return;
+        }
+        match hdr.op {
+            op::RST => {}
+            op::REQUEST if hdr.kind == TYPE_STREAM => self.guest_connect(key, hdr),
+            _ => self.queue_ctl(hdr.reset_reply()),
+        }
+    }
+
+    /// A packet whose payload could not be read (length beyond the chain or the maximum).
+    pub fn on_guest_bad_payload(&mut self, hdr: &Header) {
+        let key = ConnKey {
+            local_port: hdr.dst_port,
+            peer_port: hdr.src_port,
+        };
+        if self.conns.contains_key(&key) {
+            self.settle(key, Verdict::Reset(ResetCause::Protocol));
+        } else if hdr.op != op::RST {
+            self.queue_ctl(hdr.reset_reply());
+        }
+    }
+
+    fn guest_connect(&mut self, key: ConnKey, req: &Header) {
+        if self.conns.len() >= MAX_CONNECTIONS {
+            tracing::warn!(
+                "vsock: connection limit reached; refusing guest port {}",
+                req.src_port
+            );
+            self.metrics.connect_failures += 1;
+            self.queue_ctl(req.reset_reply());
+            return;
+        }
+        let path = unix::port_path(&self.uds_path, key.local_port);
+        match unix::connect_nonblocking(&path) {
+            Ok(s) => {
+                let fd = s.as_raw_fd();
+                let c = Connection::guest_initiated(key, s, req);
+                self.conns.insert(key, c);
+                self.by_fd.insert(fd, key);
+                self.metrics.conns_opened += 1;
+                self.settle(key, Verdict::Keep);
+            }
+            Err(e) => {
+                tracing::debug!("vsock: guest connect to {}: {e}", path.display());
+                self.metrics.connect_failures += 1;
+                self.queue_ctl(req.reset_reply());
+            }
+        }
+    }
+
+    /// Accepts waiting host clients.
+    pub fn accept(&mut self, active: bool, now: Instant) {
+        for _ in 0..ACCEPT_BURST {
+            let Some(l) = &self.listener else {
+                return;
+            };
+            let stream = match l.sock.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
+                    ) =>
+                {
+                    continue
+                }
+                Err(e) => {
+                    // EMFILE, ENOBUFS, ...: out of resources. Pause until the next tick.
+                    tracing::warn!("vsock: accept on {}: {e}", self.uds_path.display());
+                    self.listener_paused = true;
+                    self.timer_wanted = true;
+                    return;
+                }
+            };
+            if self.handshakes.len() >= MAX_HANDSHAKES || stream.set_nonblocking(true).is_err() {
+                continue;
+            }
+            let fd = stream.as_raw_fd();
+            self.handshakes.insert(
+                fd,
+                Handshake {
+                    stream,
+                    buf: Vec::new(),
+                    registered: false,
+                    deadline: now + HANDSHAKE_TIMEOUT,
+                },
+            );
+            self.timer_wanted = true;
+            // The line is often there already.
+            self.on_handshake(fd, EventSet::IN, active, now);
+        }
+    }
+
+    fn close_handshake(&mut self, fd: RawFd) {
+        if let Some(h) = self.handshakes.remove(&fd) {
+            self.dispose(h.stream, h.registered);
+        }
+    }
+
+    fn on_handshake(&mut self, fd: RawFd, set: EventSet, active: bool, now: Instant) {
+        let Some(h) = self.handshakes.get_mut(&fd) else {
+            return;
+        };
+        let mut eof = set.intersects(EventSet::HANG_UP | EventSet::ERROR);
+        let mut chunk = [0u8; MAX_CONNECT_LINE];
+        let room = MAX_CONNECT_LINE.saturating_sub(h.buf.len());
+        if room > 0 {
+            match h.stream.read(&mut chunk[..room]) {
+                Ok(0) => eof = true,
+                Ok(n) => h.buf.extend_from_slice(&chunk[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) => {}
+                Err(_) => eof = true,
+            }
+        }
+        match unix::parse_connect_line(&h.buf) {
+            ConnectLine::Incomplete if !eof => {}
+            ConnectLine::Connect { port, consumed } if !eof => {
+                if !active || self.conns.len() >= MAX_CONNECTIONS {
+                    tracing::debug!("vsock: host CONNECT {port} refused (device inactive or full)");
+                    self.close_handshake(fd);
+                    return;
+                }
+                let Some(h) = self.handshakes.remove(&fd) else {
+                    return;
+                };
+                let early = h.buf.get(consumed..).unwrap_or_default().to_vec();
+                let local_port = self.allocate_port(port);
+                let key = ConnKey {
+                    local_port,
+                    peer_port: port,
+                };
+                let mut c = Connection::host_initiated(key, h.stream, early, now);
+                c.registered = h.registered.then_some(EventSet::IN);
+                self.conns.insert(key, c);
+                self.by_fd.insert(fd, key);
+                self.metrics.conns_opened += 1;
+                self.settle(key, Verdict::Keep);
+            }
+            _ => self.close_handshake(fd),
+        }
+    }
+
+    fn allocate_port(&mut self, peer_port: u32) -> u32 {
+        loop {
+            let p = self.next_port;
+            self.next_port = if p == u32::MAX {
+                LOCAL_PORT_START
+            } else {
+                p + 1
+            };
+            // Fewer live connections than ports in the range: this ends.
+            if !self.conns.contains_key(&ConnKey {
+                local_port: p,
+                peer_port,
+            }) {
+                return p;
+            }
+        }
+    }
+
+    /// An event on a descriptor that is neither a queue, the timer nor the listener.
+    pub fn on_fd_event(&mut self, fd: RawFd, set: EventSet, active: bool, now: Instant) -> FdKind {
+        if self.handshakes.contains_key(&fd) {
+            self.on_handshake(fd, set, active, now);
+            return FdKind::Known;
+        }
+        let Some(&key) = self.by_fd.get(&fd) else {
+            return FdKind::Unknown;
+        };
+        let v = match self.conns.get_mut(&key) {
+            Some(c) => c.on_unix_event(set),
+            None => return FdKind::Unknown,
+        };
+        self.settle(key, v);
+        FdKind::Known
+    }
+
+    /// Deadlines; returns whether any remain (the timer keeps running).
+    pub fn on_tick(&mut self, now: Instant) -> bool {
+        let unpaused = std::mem::take(&mut self.listener_paused);
+        let expired: Vec<RawFd> = self
+            .handshakes
+            .iter()
+            .filter(|(_, h)| h.deadline <= now)
+            .map(|(&fd, _)| fd)
+            .collect();
+        for fd in expired {
+            self.close_handshake(fd);
+        }
+        let mut verdicts = Vec::new();
+        let mut any = unpaused || !self.handshakes.is_empty();
+        for (k, c) in &mut self.conns {
+            match c.on_tick(now) {
+                Verdict::Keep => any |= c.has_deadline(),
+                v => verdicts.push((*k, v)),
+            }
+        }
+        for (k, v) in verdicts {
+            self.settle(k, v);
+        }
+        any
+    }
+
+    /// Whether something waits for an rx buffer.
+    pub fn has_rx(&mut self) -> bool {
+        if !self.ctl.is_empty() {
+            return true;
+        }
+        while let Some(k) = self.rx_ready.front().copied() {
+            match self.conns.get_mut(&k) {
+                Some(c) if c.has_rx_work() => return true,
+                Some(c) => c.in_rx_queue = false,
+                None => {}
+            }
+            self.rx_ready.pop_front();
+        }
+        false
+    }
+
+    /// The next packet for the guest, payload in `payload`; connections take turns.
+    pub fn next_rx_packet(
+        &mut self,
+        max_payload: usize,
+        payload: &mut Vec<u8>,
+        now: Instant,
+    ) -> Option<(Header, Option<ConnKey>)> {
+        if let Some(h) = self.ctl.pop_front() {
+            payload.clear();
+            return Some((h, None));
+        }
+        let mut skipped = Vec::new();
+        let mut found = None;
+        while let Some(k) = self.rx_ready.pop_front() {
+            let Some(c) = self.conns.get_mut(&k) else {
+                continue;
+            };
+            c.in_rx_queue = false;
+            if let Some(h) = c.next_packet(self.guest_cid, max_payload, payload, now) {
+                found = Some((h, Some(k)));
+                // Re-queues it at the back if it has more.
+                self.settle(k, Verdict::Keep);
+                break;
+            }
+            if c.has_rx_work() {
+                // Only data is left and this buffer has no room for any.
+                c.in_rx_queue = true;
+                skipped.push(k);
+            }
+        }
+        for k in skipped.into_iter().rev() {
+            self.rx_ready.push_front(k);
+        }
+        found
+    }
+
+    /// A packet for `key` could not be written to guest memory: its data is lost.
+    pub fn reset_conn(&mut self, key: ConnKey) {
+        self.settle(key, Verdict::Reset(ResetCause::Protocol));
+    }
+
+    /// Brings epoll in line with the state: unregisters and closes retired sockets, registers
+    /// new ones, updates interests.
+    pub fn sync(&mut self, ops: &mut EventOps) {
+        for fd in self.zombies.drain(..) {
+            let _ = ops.remove(Events::empty(&fd));
+        }
+        if let Some(l) = &self.listener {
+            let want = if self.listener_paused {
+                EventSet::empty()
+            } else {
+                EventSet::IN
+            };
+            let r = match self.listener_registered {
+                None => ops.add(Events::new(&l.sock, want)),
+                Some(cur) if cur != want => ops.modify(Events::new(&l.sock, want)),
+                Some(_) => Ok(()),
+            };
+            match r {
+                Ok(()) => self.listener_registered = Some(want),
+                Err(e) => tracing::error!("vsock: cannot watch the listening socket: {e:?}"),
+            }
+        }
+        let mut failed = Vec::new();
+        for h in self.handshakes.values_mut() {
+            if !h.registered {
+                match ops.add(Events::new(&h.stream, EventSet::IN)) {
+                    Ok(()) => h.registered = true,
+                    Err(_) => failed.push(h.stream.as_raw_fd()),
+                }
+            }
+        }
+        for fd in failed {
+            self.close_handshake(fd);
+        }
+        let mut broken = Vec::new();
+        for key in std::mem::take(&mut self.dirty) {
+            let Some(c) = self.conns.get_mut(&key) else {
+                continue;
+            };
+            c.dirty = false;
+            let Some(fd) = c.unix_fd() else {
+                c.registered = None;
+                continue;
+            };
+            let want = c.interest();
+            let r = match (c.registered, want) {
+                (None, Some(s)) => ops.add(Events::new_raw(fd, s)),
+                (Some(cur), Some(s)) if cur != s => ops.modify(Events::new_raw(fd, s)),
+                (Some(_), None) => ops.remove(Events::empty_raw(fd)),
+                _ => Ok(()),
+            };
+            match r {
+                Ok(()) => c.registered = want,
+                Err(e) => {
+                    tracing::warn!("vsock: epoll update for {key:?} failed: {e:?}");
+                    broken.push(key);
+                }
+            }
+        }
+        for key in broken {
+            self.settle(key, Verdict::Reset(ResetCause::Unix));
+        }
+        // Resets above may have produced more zombies.
+        for fd in self.zombies.drain(..) {
+            let _ = ops.remove(Events::empty(&fd));
+        }
+    }
+
+    /// Connections waiting for the guest's answer.
+    #[cfg(test)]
+    pub fn connecting_count(&self) -> usize {
+        self.conns
+            .values()
+            .filter(|c| c.state() == super::conn::ConnState::Connecting)
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::virtio::vsock::conn::CONNECT_TIMEOUT;
+    use std::io::Write;
+
+    fn muxer() -> (Muxer, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Muxer::new(3, dir.path().join("v.sock")).unwrap();
+        (m, dir)
+    }
+
+    fn req(src_port: u32, dst_port: u32) -> Header {
+        Header {
+            src_cid: 3,
+            dst_cid: 2,
+            src_port,
+            dst_port,
+            kind: TYPE_STREAM,
+            op: op::REQUEST,
+            buf_alloc: 4096,
+            ..Header::default()
+        }
+    }
+
+    #[test]
+    fn guest_connect_without_listener_is_reset() {
+        let (mut m, _d) = muxer();
+        m.on_guest_packet(&req(1000, 9), &[]);
+        assert!(m.has_rx());
+        let mut p = Vec::new();
+        let (h, key) = m.next_rx_packet(4096, &mut p, Instant::now()).unwrap();
+        assert_eq!(
+            (h.op, h.src_port, h.dst_port, key),
+            (op::RST, 9, 1000, None)
+        );
+        assert_eq!(m.metrics.connect_failures, 1);
+        assert!(!m.has_rx());
+    }
+
+    #[test]
+    fn handshake_line_creates_a_connecting_connection() {
+        let (mut m, d) = muxer();
+        let mut c = UnixStream::connect(d.path().join("v.sock")).unwrap();
+        c.write_all(b"CONNECT 52\nearly").unwrap();
+        m.accept(true, Instant::now());
+        assert_eq!(m.connecting_count(), 1);
+        let mut p = Vec::new();
+        let (h, key) = m.next_rx_packet(4096, &mut p, Instant::now()).unwrap();
+        assert_eq!(
+            (h.op, h.dst_port, h.src_port),
+            (op::REQUEST, 52, LOCAL_PORT_START)
+        );
+        assert!(key.is_some());
+        // An inactive device refuses host clients.
+        let mut c2 = UnixStream::connect(d.path().join("v.sock")).unwrap();
+        c2.write_all(b"CONNECT 52\n").unwrap();
+        m.accept(false, Instant::now());
+        let mut b = [0u8; 1];
+        assert_eq!(c2.read(&mut b).unwrap(), 0);
+        // A garbage line is refused too.
+        let mut c3 = UnixStream::connect(d.path().join("v.sock")).unwrap();
+        c3.write_all(b"HELLO\n").unwrap();
+        m.accept(true, Instant::now());
+        assert_eq!(c3.read(&mut b).unwrap(), 0);
+        assert_eq!(m.connection_count(), 1);
+    }
+
+    #[test]
+    fn deadlines_close_silent_clients_and_unanswered_requests() {
+        let (mut m, d) = muxer();
+        let now = Instant::now();
+        // A client that never sends its line.
+        let mut silent = UnixStream::connect(d.path().join("v.sock")).unwrap();
+        m.accept(true, now);
+        // A request the guest never answers.
+        let mut waiting = UnixStream::connect(d.path().join("v.sock")).unwrap();
+        waiting.write_all(b"CONNECT 8\n").unwrap();
+        m.accept(true, now);
+        let mut p = Vec::new();
+        assert_eq!(
+            m.next_rx_packet(4096, &mut p, now).unwrap().0.op,
+            op::REQUEST
+        );
+        assert!(m.on_tick(now + Duration::from_secs(1)));
+        assert_eq!(m.connection_count(), 1);
+        assert!(m.on_tick(now + CONNECT_TIMEOUT));
+        assert_eq!(m.connection_count(), 0);
+        // The guest is told to forget the request.
+        assert_eq!(m.next_rx_packet(4096, &mut p, now).unwrap().0.op, op::RST);
+        let mut b = [0u8; 1];
+        assert_eq!(waiting.read(&mut b).unwrap(), 0);
+        assert!(!m.on_tick(now + HANDSHAKE_TIMEOUT));
+        assert_eq!(silent.read(&mut b).unwrap(), 0);
+    }
+
+    #[test]
+    fn port_allocation_skips_live_keys() {
+        let (mut m, _d) = muxer();
+        m.next_port = u32::MAX;
+        assert_eq!(m.allocate_port(1), u32::MAX);
+        assert_eq!(m.allocate_port(1), LOCAL_PORT_START);
+    }
+
+    #[test]
+    fn control_replies_are_bounded() {
+        let (mut m, _d) = muxer();
+        let mut h = req(1, 2);
+        h.op = op::RW;
+        for _ in 0..MAX_CTL_REPLIES + 10 {
+            m.on_guest_packet(&h, &[]);
+        }
+        assert_eq!(m.ctl.len(), MAX_CTL_REPLIES);
+        assert_eq!(m.metrics.replies_dropped, 10);
+    }
+}
