@@ -5,5 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --workspace --bins
+python3 -m unittest discover -s rootfs -p "test_*.py"
 # Guest boots are slow on kvm_pvm and the machine has 2 cores: two test threads.
 cargo test --workspace -- --test-threads=2
