@@ -13,8 +13,9 @@ pub fn usage() -> String {
 ember-agent {version}: the guest agent of ember.
 
 As PID 1 (the guest's /sbin/init) it ignores its arguments: it mounts /proc, /sys, /dev, /tmp and
-/run, reads /proc/cmdline, writes the boot marker (one byte to I/O port {port:#06x}), runs the
-boot command and reboots. Run by hand it offers:
+/run, reads /proc/cmdline, writes the boot marker (one byte to I/O port {port:#06x}: 1 = init
+ready, 2 = agent listening), runs the boot command, and then either serves the sandbox protocol
+over vsock or reboots. Run by hand it offers:
 
 usage: ember-agent --help | --version
        ember-agent parse-cmdline [CMDLINE]   parse CMDLINE (default: /proc/cmdline) as init would
@@ -23,11 +24,15 @@ usage: ember-agent --help | --version
 Kernel command-line keys:
   {run}=<base64>   run `/bin/sh -c <decoded>` (standard base64, padding optional), then reboot
   {quiet}[=<bool>] suppress informational lines (warnings and the command's status still print)
+  {agent}[=<port>] after the command (if any), serve the sandbox protocol on this vsock port
+                   (default {default_port}) instead of rebooting; see agent/PROTOCOL.md
 ",
         version = env!("CARGO_PKG_VERSION"),
         port = BOOT_MARKER_PORT,
         run = cmdline::RUN_KEY,
         quiet = cmdline::QUIET_KEY,
+        agent = cmdline::AGENT_KEY,
+        default_port = cmdline::DEFAULT_PORT,
     )
 }
 
@@ -114,6 +119,10 @@ pub fn describe(config: &BootConfig) -> String {
         None => s.push_str("run: (none)\n"),
     }
     s.push_str(&format!("quiet: {}\n", config.quiet));
+    match config.agent {
+        Some(port) => s.push_str(&format!("agent: vsock port {port}\n")),
+        None => s.push_str("agent: (off)\n"),
+    }
     for warning in &config.warnings {
         s.push_str(&format!("warning: {warning}\n"));
     }
@@ -161,8 +170,19 @@ mod tests {
         assert_eq!(code, 0);
         assert_eq!(
             out,
-            "run: \"echo hi\"\nquiet: true\nwarning: unknown key \"ember.colour\" ignored\n"
+            "run: \"echo hi\"\nquiet: true\nagent: (off)\n\
+             warning: unknown key \"ember.colour\" ignored\n"
         );
+    }
+
+    #[test]
+    fn parse_cmdline_shows_the_agent_port() {
+        let (code, out, _) = cli(&["parse-cmdline", "ember.agent"]);
+        assert_eq!(code, 0);
+        assert_eq!(out, "run: (none)\nquiet: false\nagent: vsock port 1024\n");
+        let (code, _, err) = cli(&["parse-cmdline", "ember.agent=x"]);
+        assert_eq!(code, 1);
+        assert!(err.contains("not a vsock port"), "{err}");
     }
 
     #[test]

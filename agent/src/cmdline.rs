@@ -4,6 +4,7 @@
 //! |---|---|---|
 //! | `ember.run=<b64>` | standard base64 of a shell command, padding optional | run it as `/bin/sh -c <cmd>`, then reboot |
 //! | `ember.quiet` | none, or `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off` | suppress informational lines |
+//! | `ember.agent` | none, or a vsock port (decimal) | serve the sandbox protocol on that port (default [`DEFAULT_PORT`]) instead of rebooting; after `ember.run`'s command if both are given |
 //!
 //! Any other `ember.*` key is ignored with a warning; keys outside the `ember.` namespace belong to
 //! the kernel and are skipped silently. A key given twice keeps the last value (as the kernel does),
@@ -17,6 +18,7 @@ use std::fmt;
 use thiserror::Error;
 
 use crate::base64::{self, Base64Error};
+pub use crate::protocol::DEFAULT_PORT;
 
 /// Prefix of every key this crate owns.
 pub const PREFIX: &str = "ember.";
@@ -24,6 +26,8 @@ pub const PREFIX: &str = "ember.";
 pub const RUN_KEY: &str = "ember.run";
 /// Key that silences informational lines.
 pub const QUIET_KEY: &str = "ember.quiet";
+/// Key that makes PID 1 serve the sandbox protocol on a vsock port.
+pub const AGENT_KEY: &str = "ember.agent";
 
 /// What the guest was told to do at boot.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -32,6 +36,8 @@ pub struct BootConfig {
     pub run: Option<String>,
     /// Suppress informational console lines.
     pub quiet: bool,
+    /// Serve the sandbox protocol on this vsock port (after the command, if any).
+    pub agent: Option<u32>,
     /// Things that were ignored; the boot goes on.
     pub warnings: Vec<CmdlineWarning>,
 }
@@ -63,6 +69,14 @@ pub enum CmdlineError {
         /// The key.
         key: &'static str,
         /// The raw value (shortened if long).
+        value: String,
+    },
+    /// A port that is not a decimal number below 4294967295 (`VMADDR_PORT_ANY`).
+    #[error("{key}={value:?}: not a vsock port (a decimal number below 4294967295)")]
+    BadPort {
+        /// The key.
+        key: &'static str,
+        /// The value as given (shortened if long).
         value: String,
     },
     /// The decoded command contains a NUL byte, which no `execve` argument can carry.
@@ -188,6 +202,7 @@ pub fn parse(cmdline: &str) -> Result<BootConfig, CmdlineError> {
     let mut config = BootConfig::default();
     let mut run_value: Option<Option<&str>> = None;
     let mut seen_quiet = false;
+    let mut agent_value: Option<Option<&str>> = None;
 
     for arg in split(cmdline) {
         if !arg.key.starts_with(PREFIX) {
@@ -218,6 +233,14 @@ pub fn parse(cmdline: &str) -> Result<BootConfig, CmdlineError> {
                     }),
                 }
             }
+            AGENT_KEY => {
+                if agent_value.is_some() {
+                    config
+                        .warnings
+                        .push(CmdlineWarning::Repeated { key: AGENT_KEY });
+                }
+                agent_value = Some(arg.value);
+            }
             other => config.warnings.push(CmdlineWarning::UnknownKey {
                 key: other.to_owned(),
             }),
@@ -227,7 +250,25 @@ pub fn parse(cmdline: &str) -> Result<BootConfig, CmdlineError> {
     if let Some(value) = run_value {
         config.run = Some(decode_command(RUN_KEY, value)?);
     }
+    if let Some(value) = agent_value {
+        config.agent = Some(parse_port(AGENT_KEY, value)?);
+    }
     Ok(config)
+}
+
+/// No value: the default port. Otherwise digits only, and not `VMADDR_PORT_ANY`.
+fn parse_port(key: &'static str, value: Option<&str>) -> Result<u32, CmdlineError> {
+    let Some(value) = value else {
+        return Ok(DEFAULT_PORT);
+    };
+    let port = (!value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| value.parse::<u32>().ok())
+        .flatten()
+        .filter(|&port| port != u32::MAX);
+    port.ok_or_else(|| CmdlineError::BadPort {
+        key,
+        value: shorten(value),
+    })
 }
 
 fn decode_command(key: &'static str, value: Option<&str>) -> Result<String, CmdlineError> {
@@ -465,6 +506,49 @@ mod tests {
         assert_eq!(
             config.warnings,
             vec![CmdlineWarning::Repeated { key: RUN_KEY }]
+        );
+    }
+
+    #[test]
+    fn agent_port() {
+        assert_eq!(parse("ember.agent").unwrap().agent, Some(DEFAULT_PORT));
+        assert_eq!(parse("ro ember.agent=52 quiet").unwrap().agent, Some(52));
+        assert_eq!(
+            parse("ember.agent=4294967294").unwrap().agent,
+            Some(u32::MAX - 1)
+        );
+        assert_eq!(parse("console=ttyS0").unwrap().agent, None);
+        for bad in [
+            "",
+            "x",
+            "-1",
+            "+5",
+            "4294967295",
+            "4294967296",
+            "0x10",
+            "1 2",
+        ] {
+            let line = format!("ember.agent=\"{bad}\"");
+            assert_eq!(
+                parse(&line),
+                Err(CmdlineError::BadPort {
+                    key: AGENT_KEY,
+                    value: bad.into()
+                }),
+                "{line}"
+            );
+        }
+        let msg = parse("ember.agent=vsock").unwrap_err().to_string();
+        assert_eq!(
+            msg,
+            "ember.agent=\"vsock\": not a vsock port (a decimal number below 4294967295)"
+        );
+        let config = parse(&format!("ember.agent=1 ember.agent {}", run_arg("true"))).unwrap();
+        assert_eq!(config.agent, Some(DEFAULT_PORT));
+        assert_eq!(config.run.as_deref(), Some("true"));
+        assert_eq!(
+            config.warnings,
+            vec![CmdlineWarning::Repeated { key: AGENT_KEY }]
         );
     }
 

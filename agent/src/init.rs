@@ -1,25 +1,37 @@
 //! The guest's PID 1: mount the early file systems, report the boot marker, run the boot command,
-//! reboot.
+//! then serve the sandbox protocol (`ember.agent`) or reboot.
 //!
 //! A guest syscall costs milliseconds on kvm_pvm (ring 0 is emulated), so this does the least it
 //! can: each step below is one or two syscalls, files are not closed (the init keeps them, with
 //! `O_CLOEXEC` so children do not), and nothing is probed that the kernel would tell us anyway.
 //!
 //! PID 1 must never exit (the kernel panics), so every failure prints a line and the init still
-//! reboots; a panic does the same through a panic hook. The VMM turns the guest's reboot into a
-//! clean exit.
+//! reboots; a panic (in any thread) does the same through a panic hook. The VMM turns the guest's
+//! reboot into a clean exit.
+//!
+//! With `ember.agent`, PID 1 binds the vsock listener, writes marker 2 ([`Milestone::AgentReady`]),
+//! opens what the server keeps (`/dev/urandom`, `/dev/null`, the boot id), starts the server's
+//! worker threads ([`crate::server`]) and then spends its main thread reaping children
+//! ([`Registry::reap_forever`]).
 
 use std::ffi::CStr;
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::fd::FromRawFd;
+use std::os::unix::net::UnixListener;
+use std::sync::Arc;
 
 use thiserror::Error;
 
 use crate::cmdline::{self, BootConfig};
 use crate::console::{self, Console};
+use crate::exec::ExecEnv;
 use crate::marker::{BootMarker, Method, Milestone};
 use crate::process;
+use crate::reaper::{Children, Registry};
+use crate::server::{self, Listener, PoolConfig, Server};
+use crate::system::LinuxSystem;
+use crate::vsock::VsockListener;
 
 /// Where the kernel command line is read from.
 pub const PROC_CMDLINE: &CStr = c"/proc/cmdline";
@@ -29,6 +41,11 @@ pub const PROC_CMDLINE: &CStr = c"/proc/cmdline";
 /// no syscall. A guest gets it only if the kernel command line sets it, and whoever writes that
 /// line decides `ember.run` anyway.
 pub const CMDLINE_OVERRIDE_ENV: &str = "EMBER_INIT_CMDLINE";
+
+/// Environment variable that, when set, makes the agent listen on a Unix socket at this path
+/// instead of vsock (tests run the init as PID 1 of a namespace on a host, where nothing could
+/// connect over vsock). Like [`CMDLINE_OVERRIDE_ENV`], a guest only gets it from its command line.
+pub const AGENT_UNIX_LISTEN_ENV: &str = "EMBER_AGENT_UNIX_LISTEN";
 
 const TMPFS_MAGIC: i64 = 0x0102_1994;
 const RAMFS_MAGIC: i64 = 0x8584_58f6;
@@ -405,19 +422,92 @@ pub fn run() -> Result<std::convert::Infallible, NotPid1> {
     for warning in &config.warnings {
         console.warn(format_args!("{warning}"));
     }
-    let Some(command) = &config.run else {
-        console.info(format_args!("no command given; rebooting"));
-        shutdown()
-    };
-
-    match process::spawn_shell(command.as_bytes()) {
-        Ok(pid) => match process::wait_for(pid, true) {
-            Ok(status) => console.result(format_args!("command {status}")),
-            Err(e) => console.error(format_args!("waiting for the command failed: {e}")),
-        },
-        Err(e) => console.error(format_args!("starting the command failed: {e}")),
+    if let Some(command) = &config.run {
+        match process::spawn_shell(command.as_bytes()) {
+            Ok(pid) => match process::wait_for(pid, true) {
+                Ok(status) => console.result(format_args!("command {status}")),
+                Err(e) => console.error(format_args!("waiting for the command failed: {e}")),
+            },
+            Err(e) => console.error(format_args!("starting the command failed: {e}")),
+        }
     }
-    shutdown()
+    match config.agent {
+        Some(port) => serve_agent(port, &console, &mut marker),
+        None if config.run.is_none() => {
+            console.info(format_args!("no command given; rebooting"));
+            shutdown()
+        }
+        None => shutdown(),
+    }
+}
+
+/// Binds the agent's listener (vsock `port`, or the Unix socket of [`AGENT_UNIX_LISTEN_ENV`])
+/// and serves forever; reboots if the listener cannot be set up.
+fn serve_agent(port: u32, console: &Console, marker: &mut BootMarker) -> ! {
+    match std::env::var_os(AGENT_UNIX_LISTEN_ENV) {
+        Some(path) => match UnixListener::bind(&path) {
+            Ok(listener) => {
+                let what = format!("unix socket {}", path.to_string_lossy());
+                run_agent(listener, &what, console, marker)
+            }
+            Err(e) => {
+                console.error(format_args!(
+                    "listening on {} failed: {e}; rebooting",
+                    path.to_string_lossy()
+                ));
+                shutdown()
+            }
+        },
+        None => match VsockListener::bind(port) {
+            Ok(listener) => run_agent(listener, &format!("vsock port {port}"), console, marker),
+            Err(e) => {
+                console.error(format_args!(
+                    "listening on vsock port {port} failed: {e}; rebooting"
+                ));
+                shutdown()
+            }
+        },
+    }
+}
+
+fn run_agent<L: Listener>(
+    listener: L,
+    what: &str,
+    console: &Console,
+    marker: &mut BootMarker,
+) -> ! {
+    if let Err(e) = marker.write(Milestone::AgentReady) {
+        console.warn(format_args!("{e}"));
+    }
+    console.info(format_args!("agent listening on {what}"));
+    // Opened once here so that no call pays for it (a restored clone inherits them).
+    let system = LinuxSystem::open();
+    let devnull = match ExecEnv::open_devnull() {
+        Ok(fd) => Some(fd),
+        Err(e) => {
+            console.warn(format_args!(
+                "opening /dev/null failed: {e}; exec stdin will be empty pipes"
+            ));
+            None
+        }
+    };
+    // One malloc arena for every thread: a thread's own arena costs four syscalls (mmap,
+    // munmap twice, mprotect) on its first allocation, and the agent's threads allocate little.
+    // SAFETY: mallopt only changes malloc's tuning.
+    unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
+    let registry = Arc::new(Registry::new());
+    let server = Arc::new(Server::new(
+        Box::new(system),
+        Children::Registry(registry.clone()),
+        ExecEnv::new(devnull, false),
+    ));
+    if let Err(e) = server::serve(server, Arc::new(listener), PoolConfig::default()) {
+        console.error(format_args!(
+            "starting the agent's threads failed: {e}; rebooting"
+        ));
+        shutdown()
+    }
+    registry.reap_forever()
 }
 
 #[cfg(test)]

@@ -33,6 +33,8 @@ pub const DEV_PORT: &CStr = c"/dev/port";
 pub enum Milestone {
     /// PID 1 has mounted the early file systems and read its command line.
     InitReady = 0x01,
+    /// The agent's vsock listener is up (`ember.agent`): connections are queued from now on.
+    AgentReady = 0x02,
 }
 
 /// How a marker byte was delivered.
@@ -231,6 +233,7 @@ mod tests {
         // The VMM and the benchmarks depend on these exact numbers.
         assert_eq!(BOOT_MARKER_PORT, 0x0ef0);
         assert_eq!(Milestone::InitReady as u8, 1);
+        assert_eq!(Milestone::AgentReady as u8, 2);
     }
 
     #[test]
