@@ -78,3 +78,71 @@ pub fn boot_json(args: &[&str]) -> (serde_json::Value, String, Output) {
 pub fn on_pvm() -> bool {
     ember_vmm::HostKvm::detect() == ember_vmm::HostKvm::Pvm
 }
+
+/// A running `ember-vmm` child that is killed when dropped.
+#[derive(Debug)]
+pub struct RunningVmm {
+    /// The process.
+    pub child: std::process::Child,
+    /// Its report file.
+    pub report: PathBuf,
+}
+
+impl Drop for RunningVmm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl RunningVmm {
+    /// Starts `ember-vmm` with `args` plus a report file in `dir` (named `name.jsonl`); the
+    /// console goes to `dir/name.console`.
+    pub fn start(dir: &std::path::Path, name: &str, args: &[std::ffi::OsString]) -> Self {
+        let report = dir.join(format!("{name}.jsonl"));
+        let console = dir.join(format!("{name}.console"));
+        let child = Command::new(bin("ember-vmm"))
+            .args(args)
+            .arg("--report")
+            .arg(&report)
+            .arg("--serial")
+            .arg(format!("file:{}", console.display()))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("spawn ember-vmm");
+        Self { child, report }
+    }
+
+    /// Report events so far.
+    pub fn events(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&self.report)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// Waits until the guest writes boot marker `value` (or the VMM exits, or time runs out).
+    pub fn wait_marker(&mut self, value: u64, timeout: std::time::Duration) {
+        let t = std::time::Instant::now();
+        loop {
+            if self
+                .events()
+                .iter()
+                .any(|e| e["event"] == "boot_marker" && e["value"] == value)
+            {
+                return;
+            }
+            if let Ok(Some(st)) = self.child.try_wait() {
+                panic!("VMM exited ({st}) before marker {value}: {:?}", self.events());
+            }
+            assert!(t.elapsed() < timeout, "no marker {value} after {timeout:?}");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
+/// `--cmdline-append` value running the agent (and nothing else).
+pub const AGENT_CMDLINE: &str = "ember.agent";

@@ -1,0 +1,148 @@
+//! Snapshots of a real Linux guest running the ember agent, restored as clones: vsock, the
+//! agent protocol, clone safety (fresh entropy), copy-on-write disks and memory.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ember_agent::client::Client;
+use ember_agent::protocol::ExecRequest;
+use ember_tests::{kernel, rootfs, RunningVmm, AGENT_CMDLINE};
+use ember_vmm::api::{call, AfterSnapshot, Request, SnapshotKind};
+
+const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
+const AGENT_PORT: u32 = 1024;
+
+fn os(v: &[&str]) -> Vec<OsString> {
+    v.iter().map(OsString::from).collect()
+}
+
+fn sh(client: &mut Client<std::os::unix::net::UnixStream>, script: &str) -> String {
+    let out = client
+        .exec(&ExecRequest::new(["/bin/sh", "-c", script]))
+        .unwrap_or_else(|e| panic!("exec {script:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{script:?}: {:?} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn connect(uds: &Path) -> Client<std::os::unix::net::UnixStream> {
+    let mut last = None;
+    for _ in 0..50 {
+        match Client::connect_uds(uds, AGENT_PORT, Duration::from_secs(60)) {
+            Ok(c) => return c,
+            Err(e) => last = Some(e),
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!("cannot reach the agent through {}: {last:?}", uds.display());
+}
+
+/// A 16 MiB zero base image for a scratch disk.
+fn base_image(dir: &Path) -> PathBuf {
+    let p = dir.join("scratch-base.img");
+    let f = std::fs::File::create(&p).unwrap();
+    f.set_len(16 << 20).unwrap();
+    p
+}
+
+fn sha(path: &Path) -> String {
+    let out = std::process::Command::new("sha256sum").arg(path).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).split_whitespace().next().unwrap_or("").to_string()
+}
+
+/// Boots the template VM: root read-only, a scratch overlay disk, vsock, the agent.
+fn boot_template(dir: &Path) -> (RunningVmm, PathBuf, PathBuf) {
+    let base = base_image(dir);
+    let overlay = dir.join("template.overlay");
+    let uds = dir.join("template.vsock");
+    let api = dir.join("template.api");
+    let (k, r) = (kernel(), rootfs());
+    let mut args = os(&["--kernel"]);
+    args.push(k.into());
+    args.push("--disk".into());
+    args.push(format!("path={},mode=ro,id=rootfs", r.display()).into());
+    args.push("--disk".into());
+    args.push(format!("path={},mode=overlay,base={},id=scratch", overlay.display(), base.display()).into());
+    args.push("--vsock".into());
+    args.push(format!("cid=3,uds={}", uds.display()).into());
+    args.push("--api-sock".into());
+    args.push(api.clone().into());
+    args.extend(os(&["--cmdline-append", AGENT_CMDLINE]));
+    let mut vm = RunningVmm::start(dir, "template", &args);
+    vm.wait_marker(2, BOOT_TIMEOUT);
+    (vm, uds, api)
+}
+
+#[test]
+fn clones_continue_the_template_share_its_disk_and_get_their_own_entropy() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let base = d.join("scratch-base.img");
+    let (mut template, uds, api) = boot_template(d);
+    let base_hash = sha(&base);
+
+    // State the clones must inherit: memory (a file in tmpfs) and disk (the overlay).
+    let mut c = connect(&uds);
+    assert!(c.ping().is_ok());
+    sh(&mut c, "echo template-memory > /tmp/state; printf template-disk | dd of=/dev/vdb bs=512 seek=0 conv=fsync 2>/dev/null");
+    drop(c);
+
+    let snap = d.join("snap");
+    let reply = call(
+        &api,
+        &Request::Snapshot { dir: snap.clone(), kind: SnapshotKind::Full, after: AfterSnapshot::Exit },
+    )
+    .unwrap();
+    assert_eq!(reply["ok"], true, "{reply}");
+    assert!(template.child.wait().unwrap().success());
+
+    // Two clones at once, each with its own vsock socket and its own copy of the overlay.
+    let mut clones = Vec::new();
+    for i in 0..2 {
+        let overlay = d.join(format!("clone{i}.overlay"));
+        std::fs::copy(d.join("template.overlay"), &overlay).unwrap();
+        let cuds = d.join(format!("clone{i}.vsock"));
+        let mut args = os(&["--restore"]);
+        args.push(snap.clone().into());
+        args.push("--vsock-uds".into());
+        args.push(cuds.clone().into());
+        args.extend(os(&["--disk-path", "-", "--disk-path"]));
+        args.push(overlay.into());
+        clones.push((RunningVmm::start(d, &format!("clone{i}"), &args), cuds));
+    }
+    let mut randoms = Vec::new();
+    for (i, (_vm, cuds)) in clones.iter().enumerate() {
+        let mut c = connect(cuds);
+        // Clone safety: the host's clock and fresh entropy first.
+        c.sync_now().expect("sync");
+        assert_eq!(sh(&mut c, "cat /tmp/state").trim(), "template-memory");
+        assert_eq!(sh(&mut c, "dd if=/dev/vdb bs=13 count=1 2>/dev/null"), "template-disk");
+        let mine = format!("clone-{i}-data");
+        sh(&mut c, &format!("printf {mine} | dd of=/dev/vdb bs=512 seek=8 conv=fsync 2>/dev/null"));
+        assert_eq!(sh(&mut c, &format!("dd if=/dev/vdb bs=512 skip=8 count=1 2>/dev/null | head -c {}", mine.len())), mine);
+        randoms.push(sh(&mut c, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'"));
+        // The wall clock was set from the host's.
+        let guest_now: i64 = sh(&mut c, "date +%s").trim().parse().unwrap();
+        let host_now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+        assert!((guest_now - host_now).abs() < 30, "guest clock {guest_now} vs host {host_now}");
+    }
+    assert_eq!(randoms[0].len(), 64);
+    assert_ne!(randoms[0], randoms[1], "two clones read the same random bytes");
+    // Each clone's writes stayed in its own overlay; the shared base never changed.
+    for i in 0..2 {
+        let data = std::fs::read(d.join(format!("clone{i}.overlay"))).unwrap();
+        let needle = format!("clone-{i}-data");
+        let other = format!("clone-{}-data", 1 - i);
+        let has = |n: &str| data.windows(n.len()).any(|w| w == n.as_bytes());
+        assert!(has(&needle) && !has(&other), "overlay {i}");
+    }
+    assert_eq!(sha(&base), base_hash, "the base image was modified");
+    // The snapshot's memory file is untouched by the running clones.
+    let mem = std::fs::read(snap.join("memory")).unwrap();
+    assert!(!mem.windows(12).any(|w| w == b"clone-0-data"));
+}
