@@ -5,4 +5,5 @@
 //! absolute times on one host say little about another; ratios and counts carry over.
 
 pub mod boot;
+pub mod restore;
 pub mod stats;

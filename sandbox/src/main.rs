@@ -96,6 +96,26 @@ struct RestoreArgs {
 enum BenchCmd {
     /// Cold boot: process spawn → boot marker.
     Boot(BenchBootArgs),
+    /// Restore from a snapshot: spawn → vCPU running, spawn → agent ping answered.
+    Restore(BenchRestoreArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchRestoreArgs {
+    #[command(flatten)]
+    guest: GuestArgs,
+    /// Restores per system.
+    #[arg(long, default_value_t = 100)]
+    n: usize,
+    /// Also restore Firecracker's snapshot of the same guest with this binary.
+    #[arg(long)]
+    firecracker: Option<PathBuf>,
+    /// ember's working-set prefetch for the restores: off, sync or async.
+    #[arg(long, default_value = "async")]
+    prefetch: String,
+    /// JSON lines only (one object per system and measure).
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -224,16 +244,27 @@ impl JailArgs {
 }
 
 /// Launches a VMM directly or through the jailer; returns the outcome and the jail to clean.
+/// How to run one VMM process.
+struct RunOpts<'a> {
+    console: Console,
+    api_sock: Option<&'a std::path::Path>,
+    extra: &'a [String],
+    timeout: Option<u64>,
+}
+
 fn run_vm(
     jail: &JailArgs,
     vmm: &std::path::Path,
     what: VmStart<'_>,
     dir: &std::path::Path,
-    console: Console,
-    api_sock: Option<&std::path::Path>,
-    extra: &[String],
-    timeout: Option<u64>,
+    run: RunOpts<'_>,
 ) -> Result<ember_vmm::launcher::VmOutcome, String> {
+    let RunOpts {
+        console,
+        api_sock,
+        extra,
+        timeout,
+    } = run;
     let opts = jail.options()?;
     let timeout = timeout.map(std::time::Duration::from_secs);
     let Some(opts) = opts else {
@@ -395,10 +426,12 @@ fn vm_boot(a: BootArgs) -> ExitCode {
         &vmm,
         VmStart::Boot(&cfg),
         dir.path(),
-        console,
-        a.api_sock.as_deref(),
-        &extra,
-        a.timeout,
+        RunOpts {
+            console,
+            api_sock: a.api_sock.as_deref(),
+            extra: &extra,
+            timeout: a.timeout,
+        },
     ) {
         Ok(o) => o,
         Err(e) => return err(e),
@@ -507,10 +540,12 @@ fn vm_restore(a: RestoreArgs) -> ExitCode {
         &vmm,
         VmStart::Restore(&a.snapshot),
         dir.path(),
-        console,
-        a.api_sock.as_deref(),
-        &[],
-        a.timeout,
+        RunOpts {
+            console,
+            api_sock: a.api_sock.as_deref(),
+            extra: &[],
+            timeout: a.timeout,
+        },
     ) {
         Ok(out) => report_outcome(&out, a.json, serde_json::json!({ "snapshot": a.snapshot })),
         Err(e) => err(e),
@@ -554,6 +589,61 @@ fn vm_snapshot(a: SnapshotArgs) -> ExitCode {
         std::env::current_dir().unwrap_or_default().join(a.dir)
     };
     vm_control(&a.sock.api_sock, Request::Snapshot { dir, kind, after })
+}
+
+fn bench_restore(a: BenchRestoreArgs) -> ExitCode {
+    let (kernel, rootfs) = match resolve_images(&a.guest) {
+        Ok(x) => x,
+        Err(e) => return err(e),
+    };
+    let vmm = match find_vmm_binary() {
+        Ok(b) => b,
+        Err(e) => return err(e),
+    };
+    if a.n == 0 {
+        return err("--n must be at least 1");
+    }
+    let work = match tempfile::Builder::new().prefix("ember-bench-").tempdir() {
+        Ok(d) => d,
+        Err(e) => return err(format!("cannot create a work directory: {e}")),
+    };
+    let bench = ember_benches::restore::RestoreBench {
+        kernel,
+        rootfs,
+        mem_mib: a.guest.mem_mib,
+        n: a.n,
+        profile: a
+            .guest
+            .cpu_profile
+            .unwrap_or_else(|| ember_vmm::HostKvm::detect().default_profile()),
+        ember_vmm: vmm,
+        firecracker: a.firecracker,
+        workdir: work.path().to_path_buf(),
+        prefetch: a.prefetch,
+    };
+    if !a.json {
+        eprintln!("ember: booting the template guests and taking their snapshots (this takes a while)");
+    }
+    let json = a.json;
+    let n = a.n;
+    let results = bench.run(|sys, i, r, p| {
+        if !json && (i < 3 || i + 1 == n || (i + 1) % 25 == 0) {
+            eprintln!("  {sys:<12} restore {:>3}: running {r:.2} ms, ping {p:.2} ms", i + 1);
+        }
+    });
+    match results {
+        Ok(rs) => {
+            if json {
+                for r in &rs {
+                    println!("{}", serde_json::to_string(r).unwrap_or_default());
+                }
+            } else {
+                print!("{}", ember_benches::restore::table(&rs));
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => err(e),
+    }
 }
 
 fn bench_boot(a: BenchBootArgs) -> ExitCode {
@@ -620,6 +710,7 @@ fn main() -> ExitCode {
         Cmd::Vm(VmCmd::Stats(a)) => vm_control(&a.api_sock, ember_vmm::api::Request::Stats),
         Cmd::Vm(VmCmd::Shutdown(a)) => vm_control(&a.api_sock, ember_vmm::api::Request::Shutdown),
         Cmd::Bench(BenchCmd::Boot(a)) => bench_boot(a),
+        Cmd::Bench(BenchCmd::Restore(a)) => bench_restore(a),
         Cmd::Images { template } => {
             let k = images::default_kernel();
             let r = images::default_rootfs(&template);
