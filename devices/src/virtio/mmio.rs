@@ -364,7 +364,7 @@ impl BusDevice for MmioTransport {
             return;
         }
         // Registers are 32 bits wide and must be accessed as such.
-        if data.len() != 4 || offset % 4 != 0 {
+        if data.len() != 4 || !offset.is_multiple_of(4) {
             data.fill(0);
             return;
         }
@@ -382,7 +382,7 @@ impl BusDevice for MmioTransport {
         let Ok(bytes) = <[u8; 4]>::try_from(data) else {
             return;
         };
-        if offset % 4 != 0 {
+        if !offset.is_multiple_of(4) {
             return;
         }
         self.write_reg(offset, u32::from_le_bytes(bytes));
