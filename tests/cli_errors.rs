@@ -6,11 +6,23 @@ use ember_tests::{bin, ember, kernel, rootfs};
 
 fn stderr_of(args: &[&str]) -> (Option<i32>, String) {
     let out = ember(args);
-    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn boot_args<'a>(k: &'a str, r: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut v = vec!["vm", "boot", "--kernel", k, "--rootfs", r, "--timeout", "120"];
+    let mut v = vec![
+        "vm",
+        "boot",
+        "--kernel",
+        k,
+        "--rootfs",
+        r,
+        "--timeout",
+        "120",
+    ];
     v.extend_from_slice(extra);
     v
 }
@@ -29,7 +41,11 @@ fn not_a_kernel() {
 #[test]
 fn missing_rootfs() {
     let k = kernel();
-    let (code, err) = stderr_of(&boot_args(k.to_str().unwrap(), "/nonexistent/root.ext4", &[]));
+    let (code, err) = stderr_of(&boot_args(
+        k.to_str().unwrap(),
+        "/nonexistent/root.ext4",
+        &[],
+    ));
     assert_ne!(code, Some(0));
     assert!(err.contains("/nonexistent/root.ext4"), "{err}");
     assert!(err.contains("does not exist"), "{err}");

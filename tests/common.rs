@@ -12,11 +12,7 @@ use std::process::{Command, Output};
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     // target/<profile>/deps/<test> → target/<profile>/<name>
-    let p = exe
-        .ancestors()
-        .nth(2)
-        .expect("target dir")
-        .join(name);
+    let p = exe.ancestors().nth(2).expect("target dir").join(name);
     assert!(
         p.is_file(),
         "{} is missing: run `cargo build --workspace --bins` before the tests",
@@ -36,7 +32,9 @@ pub fn kernel() -> PathBuf {
 pub fn rootfs() -> PathBuf {
     std::env::var_os("EMBER_TEST_ROOTFS")
         .map(PathBuf::from)
-        .unwrap_or_else(|| ember_sandbox::images::default_rootfs("default").expect("default rootfs"))
+        .unwrap_or_else(|| {
+            ember_sandbox::images::default_rootfs("default").expect("default rootfs")
+        })
 }
 
 /// Runs `ember` with `args` (plus `EMBER_VMM` pointing at this build's VMM).
@@ -136,7 +134,10 @@ impl RunningVmm {
                 return;
             }
             if let Ok(Some(st)) = self.child.try_wait() {
-                panic!("VMM exited ({st}) before marker {value}: {:?}", self.events());
+                panic!(
+                    "VMM exited ({st}) before marker {value}: {:?}",
+                    self.events()
+                );
             }
             assert!(t.elapsed() < timeout, "no marker {value} after {timeout:?}");
             std::thread::sleep(std::time::Duration::from_millis(100));

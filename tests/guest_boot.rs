@@ -11,14 +11,23 @@ fn default_guest_boots_runs_its_command_and_keeps_the_root_read_only() {
         if mount -o remount,rw / 2>/dev/null; then echo REMOUNT-RW-OK; else echo REMOUNT-RW-FAILED; fi; \
         if dd if=/dev/zero of=/dev/vda bs=512 count=1 conv=fsync 2>/dev/null; then echo RAW-WRITE-OK; else echo RAW-WRITE-FAILED; fi";
     let (j, console, out) = boot_json(&["--run", script]);
-    assert!(out.status.success(), "exit {:?}\n{console}\n{j}", out.status);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{console}\n{j}",
+        out.status
+    );
     // The boot marker was seen and timed.
-    let marker = j["boot_marker_ms"].as_f64().unwrap_or_else(|| panic!("no marker: {j}"));
+    let marker = j["boot_marker_ms"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no marker: {j}"));
     assert!(marker > 0.0);
     // Our init ran, printed to the serial console, ran the command, rebooted → exit 0.
     assert!(console.contains("ember-init: ready"), "{console}");
     assert!(console.contains("EMBER-CONSOLE-OK"), "{console}");
-    assert!(console.contains("ember-init: command exited with status 0"), "{console}");
+    assert!(
+        console.contains("ember-init: command exited with status 0"),
+        "{console}"
+    );
     assert_eq!(j["exit_code"], 0);
     assert_eq!(j["exit_reason"]["kind"], "guest_reset", "{j}");
     // Read-only root: no file writes, no remount, no raw writes to the device.
@@ -29,10 +38,16 @@ fn default_guest_boots_runs_its_command_and_keeps_the_root_read_only() {
     let cmdline = j["cmdline"].as_str().unwrap_or_default();
     if on_pvm() {
         assert_eq!(j["cpu_profile"], "pvm");
-        assert!(cmdline.contains("clearcpuid=141,151,308,297,580"), "{cmdline}");
+        assert!(
+            cmdline.contains("clearcpuid=141,151,308,297,580"),
+            "{cmdline}"
+        );
         assert!(cmdline.contains("noxsave"), "{cmdline}");
     }
-    assert!(cmdline.contains("virtio_mmio.device=4K@0xd0000000:5"), "{cmdline}");
+    assert!(
+        cmdline.contains("virtio_mmio.device=4K@0xd0000000:5"),
+        "{cmdline}"
+    );
 }
 
 fn meminfo_kib(console: &str) -> u64 {
@@ -56,7 +71,11 @@ fn cpu_count(console: &str) -> u64 {
 fn guest_sees_the_memory_and_vcpus_it_was_given() {
     let script = "grep MemTotal /proc/meminfo; echo CPUS=$(grep -c ^processor /proc/cpuinfo)";
     let (j, console, out) = boot_json(&["--mem-mib", "512", "--vcpus", "2", "--run", script]);
-    assert!(out.status.success(), "exit {:?}\n{console}\n{j}", out.status);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{console}\n{j}",
+        out.status
+    );
     let kib = meminfo_kib(&console);
     // MemTotal excludes what the kernel reserves for itself; expect 85-100% of 512 MiB.
     assert!(
@@ -79,7 +98,10 @@ fn host_cpu_profile_on_kvm_pvm_fails_with_a_clear_internal_error() {
         assert!(msg.contains("rip 0x"), "{msg}");
         assert_eq!(j["exit_reason"]["reason"], "internal_error", "{j}");
     } else {
-        assert!(out.status.success(), "host profile must boot on hardware KVM: {console}");
+        assert!(
+            out.status.success(),
+            "host profile must boot on hardware KVM: {console}"
+        );
         assert!(console.contains("BOOTED"));
     }
 }
@@ -92,9 +114,18 @@ fn serial_console_input_reaches_the_guest() {
     let script = "read line; echo \"GOT:[$line]\"";
     let b64 = {
         // Same encoding the CLI uses for --run.
-        let out = Command::new("base64").arg("-w0").stdin(Stdio::piped()).stdout(Stdio::piped()).spawn();
+        let out = Command::new("base64")
+            .arg("-w0")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn();
         let mut child = out.expect("base64");
-        child.stdin.take().unwrap().write_all(script.as_bytes()).unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(script.as_bytes())
+            .unwrap();
         String::from_utf8(child.wait_with_output().unwrap().stdout).unwrap()
     };
     let mut vmm = Command::new(ember_tests::bin("ember-vmm"))
@@ -111,9 +142,17 @@ fn serial_console_input_reaches_the_guest() {
         .spawn()
         .unwrap();
     // Typed before the guest even booted: it must wait in the VMM, not be lost.
-    vmm.stdin.take().unwrap().write_all(b"hello ember\n").unwrap();
+    vmm.stdin
+        .take()
+        .unwrap()
+        .write_all(b"hello ember\n")
+        .unwrap();
     let out = vmm.wait_with_output().unwrap();
     let console = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{console}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{console}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(console.contains("GOT:[hello ember]"), "{console}");
 }

@@ -51,8 +51,15 @@ fn base_image(dir: &Path) -> PathBuf {
 }
 
 fn sha(path: &Path) -> String {
-    let out = std::process::Command::new("sha256sum").arg(path).output().unwrap();
-    String::from_utf8_lossy(&out.stdout).split_whitespace().next().unwrap_or("").to_string()
+    let out = std::process::Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or("")
+        .to_string()
 }
 
 /// Boots the template VM: root read-only, a scratch overlay disk, vsock, the agent.
@@ -67,7 +74,14 @@ fn boot_template(dir: &Path) -> (RunningVmm, PathBuf, PathBuf) {
     args.push("--disk".into());
     args.push(format!("path={},mode=ro,id=rootfs", r.display()).into());
     args.push("--disk".into());
-    args.push(format!("path={},mode=overlay,base={},id=scratch", overlay.display(), base.display()).into());
+    args.push(
+        format!(
+            "path={},mode=overlay,base={},id=scratch",
+            overlay.display(),
+            base.display()
+        )
+        .into(),
+    );
     args.push("--vsock".into());
     args.push(format!("cid=3,uds={}", uds.display()).into());
     args.push("--api-sock".into());
@@ -95,7 +109,11 @@ fn clones_continue_the_template_share_its_disk_and_get_their_own_entropy() {
     let snap = d.join("snap");
     let reply = call(
         &api,
-        &Request::Snapshot { dir: snap.clone(), kind: SnapshotKind::Full, after: AfterSnapshot::Exit },
+        &Request::Snapshot {
+            dir: snap.clone(),
+            kind: SnapshotKind::Full,
+            after: AfterSnapshot::Exit,
+        },
     )
     .unwrap();
     assert_eq!(reply["ok"], true, "{reply}");
@@ -105,7 +123,10 @@ fn clones_continue_the_template_share_its_disk_and_get_their_own_entropy() {
     let mut clones = Vec::new();
     for i in 0..2 {
         let overlay = d.join(format!("clone{i}.overlay"));
-        std::fs::copy(d.join("template.overlay"), &overlay).unwrap();
+        if i == 0 {
+            // Prepared by the caller from the snapshot's copy...
+            std::fs::copy(snap.join("disk1.overlay"), &overlay).unwrap();
+        } // ...or, for clone 1, created by the restore itself.
         let cuds = d.join(format!("clone{i}.vsock"));
         let mut args = os(&["--restore"]);
         args.push(snap.clone().into());
@@ -121,18 +142,45 @@ fn clones_continue_the_template_share_its_disk_and_get_their_own_entropy() {
         // Clone safety: the host's clock and fresh entropy first.
         c.sync_now().expect("sync");
         assert_eq!(sh(&mut c, "cat /tmp/state").trim(), "template-memory");
-        assert_eq!(sh(&mut c, "dd if=/dev/vdb bs=13 count=1 2>/dev/null"), "template-disk");
+        assert_eq!(
+            sh(&mut c, "dd if=/dev/vdb bs=13 count=1 2>/dev/null"),
+            "template-disk"
+        );
         let mine = format!("clone-{i}-data");
-        sh(&mut c, &format!("printf {mine} | dd of=/dev/vdb bs=512 seek=8 conv=fsync 2>/dev/null"));
-        assert_eq!(sh(&mut c, &format!("dd if=/dev/vdb bs=512 skip=8 count=1 2>/dev/null | head -c {}", mine.len())), mine);
-        randoms.push(sh(&mut c, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'"));
+        sh(
+            &mut c,
+            &format!("printf {mine} | dd of=/dev/vdb bs=512 seek=8 conv=fsync 2>/dev/null"),
+        );
+        assert_eq!(
+            sh(
+                &mut c,
+                &format!(
+                    "dd if=/dev/vdb bs=512 skip=8 count=1 2>/dev/null | head -c {}",
+                    mine.len()
+                )
+            ),
+            mine
+        );
+        randoms.push(sh(
+            &mut c,
+            "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'",
+        ));
         // The wall clock was set from the host's.
         let guest_now: i64 = sh(&mut c, "date +%s").trim().parse().unwrap();
-        let host_now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
-        assert!((guest_now - host_now).abs() < 30, "guest clock {guest_now} vs host {host_now}");
+        let host_now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        assert!(
+            (guest_now - host_now).abs() < 30,
+            "guest clock {guest_now} vs host {host_now}"
+        );
     }
     assert_eq!(randoms[0].len(), 64);
-    assert_ne!(randoms[0], randoms[1], "two clones read the same random bytes");
+    assert_ne!(
+        randoms[0], randoms[1],
+        "two clones read the same random bytes"
+    );
     // Each clone's writes stayed in its own overlay; the shared base never changed.
     for i in 0..2 {
         let data = std::fs::read(d.join(format!("clone{i}.overlay"))).unwrap();

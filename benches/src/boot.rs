@@ -98,7 +98,13 @@ impl BootBench {
     /// One ember boot.
     pub fn ember_once(&self, i: usize) -> Result<BootSample, BenchError> {
         let dir = tempfile::tempdir()?;
-        let vm = launch(&self.ember_vmm, &self.ember_config(), dir.path(), Console::Capture, &[])?;
+        let vm = launch(
+            &self.ember_vmm,
+            &self.ember_config(),
+            dir.path(),
+            Console::Capture,
+            &[],
+        )?;
         let out = vm.wait(Some(Duration::from_secs(600)))?;
         if out.boot_marker_ms.is_none() || !out.status.success() {
             return Err(BenchError::Boot {

@@ -74,7 +74,11 @@ fn events(report: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
-fn wait_until<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Result<T, String> {
+fn wait_until<T>(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Option<T>,
+) -> Result<T, String> {
     let t = Instant::now();
     loop {
         if let Some(v) = f() {
@@ -101,7 +105,10 @@ pub fn ping_until_answered(uds: &Path, timeout: Duration) -> Result<(), String> 
         }
         std::thread::sleep(Duration::from_micros(500));
     }
-    Err(format!("agent never answered through {}: {last}", uds.display()))
+    Err(format!(
+        "agent never answered through {}: {last}",
+        uds.display()
+    ))
 }
 
 impl RestoreBench {
@@ -230,7 +237,13 @@ impl RestoreBench {
     }
 
     /// One Firecracker restore: (spawn → load returned with the VM resumed, spawn → ping).
-    pub fn firecracker_once(&self, fc: &Path, state: &Path, mem: &Path, i: usize) -> Result<(f64, f64), String> {
+    pub fn firecracker_once(
+        &self,
+        fc: &Path,
+        state: &Path,
+        mem: &Path,
+        i: usize,
+    ) -> Result<(f64, f64), String> {
         let d = self.workdir.join("firecracker");
         let uds = d.join("fc.vsock");
         let api = d.join(format!("fc{i}.api"));
@@ -264,7 +277,10 @@ impl RestoreBench {
     }
 
     /// Prepares both snapshots, then restores each system `n` times, interleaved.
-    pub fn run(&self, mut progress: impl FnMut(&str, usize, f64, f64)) -> Result<Vec<RestoreResult>, String> {
+    pub fn run(
+        &self,
+        mut progress: impl FnMut(&str, usize, f64, f64),
+    ) -> Result<Vec<RestoreResult>, String> {
         let snap = self.prepare_ember()?;
         let fc = match &self.firecracker {
             Some(bin) => Some((bin.clone(), self.prepare_firecracker(bin)?)),
@@ -316,7 +332,9 @@ pub fn http(sock: &Path, method: &str, path: &str, body: &str) -> Result<String,
     );
     s.write_all(req.as_bytes()).map_err(|e| e.to_string())?;
     let mut buf = vec![0u8; 16384];
-    let n = s.read(&mut buf).map_err(|e| format!("{method} {path}: {e}"))?;
+    let n = s
+        .read(&mut buf)
+        .map_err(|e| format!("{method} {path}: {e}"))?;
     let text = String::from_utf8_lossy(&buf[..n]).into_owned();
     let status: u16 = text
         .split_whitespace()
@@ -326,7 +344,10 @@ pub fn http(sock: &Path, method: &str, path: &str, body: &str) -> Result<String,
     if (200..300).contains(&status) {
         Ok(text)
     } else {
-        Err(format!("{method} {path} answered: {}", text.lines().last().unwrap_or(&text)))
+        Err(format!(
+            "{method} {path} answered: {}",
+            text.lines().last().unwrap_or(&text)
+        ))
     }
 }
 
@@ -344,7 +365,9 @@ pub fn table(results: &[RestoreResult]) -> String {
             r.summary.n,
             r.summary.median_ms,
             r.summary.p95_ms,
-            r.ratio_vs_ember.map(|x| format!("{x:.2}x")).unwrap_or("-".into())
+            r.ratio_vs_ember
+                .map(|x| format!("{x:.2}x"))
+                .unwrap_or("-".into())
         ));
     }
     s

@@ -49,7 +49,10 @@ mod tests {
     #[test]
     fn median_and_p95() {
         let s = summarize(&[5.0, 1.0, 3.0]).unwrap();
-        assert_eq!((s.n, s.median_ms, s.p95_ms, s.min_ms, s.max_ms), (3, 3.0, 5.0, 1.0, 5.0));
+        assert_eq!(
+            (s.n, s.median_ms, s.p95_ms, s.min_ms, s.max_ms),
+            (3, 3.0, 5.0, 1.0, 5.0)
+        );
         let v: Vec<f64> = (1..=100).map(f64::from).collect();
         let s = summarize(&v).unwrap();
         assert_eq!((s.median_ms, s.p95_ms), (50.5, 95.0));

@@ -79,7 +79,10 @@ pub fn shared_libraries(binary: &Path) -> Result<Vec<PathBuf>, JailSetupError> {
         // "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)" or "/lib64/ld-linux... (0x...)"
         let path = match line.split_once("=>") {
             Some((_, rhs)) => rhs.split_whitespace().next(),
-            None => line.split_whitespace().next().filter(|p| p.starts_with('/')),
+            None => line
+                .split_whitespace()
+                .next()
+                .filter(|p| p.starts_with('/')),
         };
         if let Some(p) = path.filter(|p| p.starts_with('/')) {
             libs.push(PathBuf::from(p));
@@ -210,8 +213,15 @@ mod tests {
     #[test]
     fn lists_the_loader_and_libc_of_a_dynamic_binary() {
         let libs = shared_libraries(Path::new("/bin/sh")).unwrap();
-        assert!(libs.iter().any(|p| p.to_string_lossy().contains("libc.so")), "{libs:?}");
-        assert!(libs.iter().any(|p| p.to_string_lossy().contains("ld-linux")), "{libs:?}");
+        assert!(
+            libs.iter().any(|p| p.to_string_lossy().contains("libc.so")),
+            "{libs:?}"
+        );
+        assert!(
+            libs.iter()
+                .any(|p| p.to_string_lossy().contains("ld-linux")),
+            "{libs:?}"
+        );
     }
 
     #[test]
@@ -236,9 +246,20 @@ mod tests {
             serde_json::from_slice(&std::fs::read(work.path().join("vm.json")).unwrap()).unwrap();
         assert_eq!(inner.kernel, PathBuf::from("/vmlinux"));
         assert_eq!(inner.disks[0].path, PathBuf::from("/disk0"));
-        assert!(j.config.files.iter().any(|f| f.dest == Path::new("/disk0") && !f.writable));
-        assert_eq!(j.report_host, PathBuf::from("/srv/jail/vm-1/root/work/report.jsonl"));
-        let args: Vec<String> = j.args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+        assert!(j
+            .config
+            .files
+            .iter()
+            .any(|f| f.dest == Path::new("/disk0") && !f.writable));
+        assert_eq!(
+            j.report_host,
+            PathBuf::from("/srv/jail/vm-1/root/work/report.jsonl")
+        );
+        let args: Vec<String> = j
+            .args
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
         let dd = args.iter().position(|a| a == "--").unwrap();
         assert_eq!(&args[dd + 1..], ["--config", "/work/vm.json"]);
         assert!(new_id().starts_with("vm-"));

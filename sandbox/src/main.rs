@@ -12,7 +12,11 @@ use ember_vmm::vm::{DiskConfig, DiskMode, VmConfig};
 use ember_vmm::CpuProfile;
 
 #[derive(Debug, Parser)]
-#[command(name = "ember", version, about = "KVM microVMs for running untrusted code")]
+#[command(
+    name = "ember",
+    version,
+    about = "KVM microVMs for running untrusted code"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -302,7 +306,11 @@ fn run_vm(
         std::os::unix::fs::symlink(&launch.api_sock_host, p)
             .map_err(|e| format!("cannot link the control socket at {}: {e}", p.display()))?;
     }
-    eprintln!("ember: jailed as {id} (uid {}, {})", opts.uid, launch.config.jail_dir().display());
+    eprintln!(
+        "ember: jailed as {id} (uid {}, {})",
+        opts.uid,
+        launch.config.jail_dir().display()
+    );
     let vm = ember_vmm::launcher::launch_args(
         &opts.jailer,
         &launch.args,
@@ -367,7 +375,10 @@ fn resolve_images(g: &GuestArgs) -> Result<(PathBuf, PathBuf), String> {
     };
     for (what, p) in [("kernel", &kernel), ("root filesystem", &rootfs)] {
         if !p.is_file() {
-            return Err(format!("{what} {} does not exist or is not a file", p.display()));
+            return Err(format!(
+                "{what} {} does not exist or is not a file",
+                p.display()
+            ));
         }
     }
     Ok((kernel, rootfs))
@@ -436,7 +447,11 @@ fn vm_boot(a: BootArgs) -> ExitCode {
         Ok(o) => o,
         Err(e) => return err(e),
     };
-    report_outcome(&out, a.json, serde_json::json!({ "kernel": kernel, "rootfs": rootfs }))
+    report_outcome(
+        &out,
+        a.json,
+        serde_json::json!({ "kernel": kernel, "rootfs": rootfs }),
+    )
 }
 
 /// Copies our stdin to the VMM's, in raw mode, until Ctrl-] (detach) or EOF.
@@ -581,7 +596,11 @@ fn vm_snapshot(a: SnapshotArgs) -> ExitCode {
         "continue" => AfterSnapshot::Continue,
         "pause" => AfterSnapshot::Pause,
         "exit" => AfterSnapshot::Exit,
-        other => return err(format!("--then {other:?}: expected continue, pause or exit")),
+        other => {
+            return err(format!(
+                "--then {other:?}: expected continue, pause or exit"
+            ))
+        }
     };
     let dir = if a.dir.is_absolute() {
         a.dir
@@ -622,13 +641,18 @@ fn bench_restore(a: BenchRestoreArgs) -> ExitCode {
         prefetch: a.prefetch,
     };
     if !a.json {
-        eprintln!("ember: booting the template guests and taking their snapshots (this takes a while)");
+        eprintln!(
+            "ember: booting the template guests and taking their snapshots (this takes a while)"
+        );
     }
     let json = a.json;
     let n = a.n;
     let results = bench.run(|sys, i, r, p| {
         if !json && (i < 3 || i + 1 == n || (i + 1) % 25 == 0) {
-            eprintln!("  {sys:<12} restore {:>3}: running {r:.2} ms, ping {p:.2} ms", i + 1);
+            eprintln!(
+                "  {sys:<12} restore {:>3}: running {r:.2} ms, ping {p:.2} ms",
+                i + 1
+            );
         }
     });
     match results {

@@ -161,11 +161,16 @@ impl ApiServer {
         while let Ok((stream, _)) = self.listener.accept() {
             let id = self.next_id;
             self.next_id += 1;
-            let Ok(writer) = stream.try_clone() else { continue };
+            let Ok(writer) = stream.try_clone() else {
+                continue;
+            };
             let _ = writer.set_write_timeout(Some(std::time::Duration::from_secs(5)));
             let _ = stream.set_nonblocking(true);
             let fd = stream.as_raw_fd();
-            if ops.add(Events::new(&stream, EventSet::IN | EventSet::READ_HANG_UP)).is_err() {
+            if ops
+                .add(Events::new(&stream, EventSet::IN | EventSet::READ_HANG_UP))
+                .is_err()
+            {
                 continue;
             }
             self.queue.lock().conns.insert(id, writer);
@@ -203,10 +208,10 @@ impl ApiServer {
                 self.queue.lock().pending.push_back((*id, req));
             }
             if buf.len() > MAX_REQUEST {
-                self.queue.lock().pending.push_back((
-                    *id,
-                    Err(format!("request longer than {MAX_REQUEST} bytes")),
-                ));
+                self.queue
+                    .lock()
+                    .pending
+                    .push_back((*id, Err(format!("request longer than {MAX_REQUEST} bytes"))));
                 close = true;
             }
         }
@@ -285,9 +290,18 @@ mod tests {
         let r: Request =
             serde_json::from_str(r#"{"op":"snapshot","dir":"/s","kind":"diff","after":"exit"}"#)
                 .unwrap();
-        assert!(matches!(r, Request::Snapshot { kind: SnapshotKind::Diff, after: AfterSnapshot::Exit, .. }));
+        assert!(matches!(
+            r,
+            Request::Snapshot {
+                kind: SnapshotKind::Diff,
+                after: AfterSnapshot::Exit,
+                ..
+            }
+        ));
         assert!(serde_json::from_str::<Request>(r#"{"op":"format_disk"}"#).is_err());
-        assert!(serde_json::from_str::<Request>(r#"{"op":"snapshot","dir":"/s","colour":1}"#).is_err());
+        assert!(
+            serde_json::from_str::<Request>(r#"{"op":"snapshot","dir":"/s","colour":1}"#).is_err()
+        );
     }
 
     #[test]

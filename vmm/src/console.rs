@@ -31,7 +31,11 @@ pub struct SerialInput {
 impl SerialInput {
     /// Forwards `input` (made non-blocking) to `serial`; `drained` is the UART's FIFO-empty
     /// eventfd.
-    pub fn new(serial: Arc<Mutex<Serial>>, input: RawFd, drained: EventFd) -> std::io::Result<Self> {
+    pub fn new(
+        serial: Arc<Mutex<Serial>>,
+        input: RawFd,
+        drained: EventFd,
+    ) -> std::io::Result<Self> {
         // SAFETY: F_GETFL/F_SETFL on a descriptor we were handed; no memory is involved.
         let flags = unsafe { libc::fcntl(input, libc::F_GETFL) };
         if flags < 0 {
@@ -150,7 +154,11 @@ mod tests {
             use ember_devices::bus::BusDevice;
             serial.lock().unwrap().write(1, &[1]);
         }
-        assert_eq!(input.drained.read().unwrap(), 1, "enabling RX signals readiness");
+        assert_eq!(
+            input.drained.read().unwrap(),
+            1,
+            "enabling RX signals readiness"
+        );
         input.flush();
         // 64 bytes fit the FIFO, the rest waits.
         assert_eq!(input.pending.len(), 200 - 64);

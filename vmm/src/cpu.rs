@@ -158,11 +158,20 @@ impl CpuProfile {
                     match self {
                         CpuProfile::Host => {}
                         CpuProfile::Pvm => {
-                            e.ecx &= !(ECX_POPCNT | ECX_XSAVE | ECX_OSXSAVE | ECX_AVX | ECX_F16C
-                                | ECX_FMA | ECX_CX16);
+                            e.ecx &= !(ECX_POPCNT
+                                | ECX_XSAVE
+                                | ECX_OSXSAVE
+                                | ECX_AVX
+                                | ECX_F16C
+                                | ECX_FMA
+                                | ECX_CX16);
                         }
                         CpuProfile::Baseline => {
-                            e.ecx &= !(ECX_XSAVE | ECX_OSXSAVE | ECX_AVX | ECX_F16C | ECX_FMA
+                            e.ecx &= !(ECX_XSAVE
+                                | ECX_OSXSAVE
+                                | ECX_AVX
+                                | ECX_F16C
+                                | ECX_FMA
                                 | ECX_PCID);
                         }
                     }
@@ -176,7 +185,12 @@ impl CpuProfile {
                     CpuProfile::Baseline => {
                         // Keep only FSGSBASE(0), BMI1(3), SMEP(7), BMI2(8), ADX(19), SMAP(20)
                         // and CLFLUSHOPT(23).
-                        e.ebx &= (1 << 0) | (1 << 3) | (1 << 7) | (1 << 8) | (1 << 19) | (1 << 20)
+                        e.ebx &= (1 << 0)
+                            | (1 << 3)
+                            | (1 << 7)
+                            | (1 << 8)
+                            | (1 << 19)
+                            | (1 << 20)
                             | (1 << 23);
                         e.ecx = 0;
                         e.edx = 0;
@@ -250,7 +264,14 @@ fn apply_topology(e: &mut kvm_cpuid_entry2, vcpu_id: u8, vcpu_count: u8) {
 mod tests {
     use super::*;
 
-    fn entry(function: u32, index: u32, eax: u32, ebx: u32, ecx: u32, edx: u32) -> kvm_cpuid_entry2 {
+    fn entry(
+        function: u32,
+        index: u32,
+        eax: u32,
+        ebx: u32,
+        ecx: u32,
+        edx: u32,
+    ) -> kvm_cpuid_entry2 {
         kvm_cpuid_entry2 {
             function,
             index,
@@ -264,7 +285,7 @@ mod tests {
 
     fn table() -> CpuId {
         CpuId::from_entries(&[
-            entry(1, 0, 0, 0, u32::MAX & !ECX_HYPERVISOR, u32::MAX),
+            entry(1, 0, 0, 0, !ECX_HYPERVISOR, u32::MAX),
             entry(7, 0, 0, u32::MAX, u32::MAX, u32::MAX),
             entry(0xd, 0, 7, 0x340, 0x340, 0),
             entry(0xb, 1, 0, 0, 0, 0),
@@ -285,7 +306,10 @@ mod tests {
         let mut c = table();
         CpuProfile::Pvm.apply(&mut c, 0, 1);
         let l1 = find(&c, 1, 0);
-        assert_eq!(l1.ecx & (ECX_POPCNT | ECX_XSAVE | ECX_OSXSAVE | ECX_AVX | ECX_CX16), 0);
+        assert_eq!(
+            l1.ecx & (ECX_POPCNT | ECX_XSAVE | ECX_OSXSAVE | ECX_AVX | ECX_CX16),
+            0
+        );
         assert_ne!(l1.ecx & ECX_HYPERVISOR, 0);
         let l7 = find(&c, 7, 0);
         assert_eq!(l7.ebx & (EBX7_SMAP | EBX7_ERMS), 0);
@@ -349,6 +373,9 @@ mod tests {
     #[test]
     fn parses_profile_names() {
         assert_eq!("pvm".parse::<CpuProfile>().unwrap(), CpuProfile::Pvm);
-        assert!("fast".parse::<CpuProfile>().unwrap_err().contains("host, pvm or baseline"));
+        assert!("fast"
+            .parse::<CpuProfile>()
+            .unwrap_err()
+            .contains("host, pvm or baseline"));
     }
 }

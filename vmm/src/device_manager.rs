@@ -10,7 +10,9 @@ use ember_devices::legacy::{
     SERIAL_COM1_BASE, SERIAL_COM1_IRQ, SERIAL_PORT_LEN,
 };
 use ember_devices::virtio::block::Block;
-use ember_devices::virtio::mmio::{MmioTransport, MmioTransportState, MMIO_WINDOW_LEN, NOTIFY_OFFSET};
+use ember_devices::virtio::mmio::{
+    MmioTransport, MmioTransportState, MMIO_WINDOW_LEN, NOTIFY_OFFSET,
+};
 use ember_devices::virtio::net::Net;
 use ember_devices::virtio::vsock::Vsock;
 use ember_devices::virtio::{Interrupt, QueueSnapshot, VirtioDevice};
@@ -147,10 +149,7 @@ impl DeviceManager {
     /// The i8042 reset line; returns the eventfd written when the guest resets.
     pub fn add_i8042(&mut self) -> Result<vmm_sys_util::eventfd::EventFd, DeviceError> {
         let reset = EventTrigger::new().map_err(DeviceError::EventFd)?;
-        let evt = reset
-            .eventfd()
-            .try_clone()
-            .map_err(DeviceError::EventFd)?;
+        let evt = reset.eventfd().try_clone().map_err(DeviceError::EventFd)?;
         self.pio.insert(
             Arc::new(Mutex::new(I8042::new(reset))),
             I8042_PORT_BASE,
@@ -217,7 +216,7 @@ impl DeviceManager {
     {
         if !(VIRTIO_FIRST_IRQ..=LAST_IRQ).contains(&irq)
             || !(VIRTIO_MMIO_BASE..MMIO_GAP_END - 0x0400_0000).contains(&base)
-            || base % MMIO_WINDOW_LEN != 0
+            || !base.is_multiple_of(MMIO_WINDOW_LEN)
         {
             return Err(DeviceError::Transport(format!(
                 "virtio slot {base:#x}/IRQ {irq} is outside the virtio ranges"

@@ -35,7 +35,12 @@ pub fn find_vmm_binary() -> Result<PathBuf, LaunchError> {
         return Ok(PathBuf::from(p));
     }
     let exe = std::env::current_exe().unwrap_or_default();
-    let mut dirs: Vec<PathBuf> = exe.ancestors().skip(1).take(2).map(Path::to_path_buf).collect();
+    let mut dirs: Vec<PathBuf> = exe
+        .ancestors()
+        .skip(1)
+        .take(2)
+        .map(Path::to_path_buf)
+        .collect();
     if let Some(path) = std::env::var_os("PATH") {
         dirs.extend(std::env::split_paths(&path));
     }

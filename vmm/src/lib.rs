@@ -13,11 +13,12 @@ pub mod device_manager;
 pub mod launcher;
 pub mod memory;
 pub mod report;
+pub mod seccomp;
 pub mod snapshot;
 pub mod vcpu;
+pub mod vm;
 pub mod vstate;
 pub mod workingset;
-pub mod vm;
 
 pub use cpu::{CpuProfile, HostKvm};
 pub use vm::{Vm, VmConfig, VmError, VmExit};

@@ -68,6 +68,10 @@ struct Args {
     /// Write JSON-lines events (boot marker, exit) to this file.
     #[arg(long)]
     report: Option<PathBuf>,
+    /// Seccomp filters: `kill` (a syscall outside the allow-lists kills the VMM), `log` (the
+    /// kernel logs it instead) or `off`.
+    #[arg(long, env = "EMBER_SECCOMP", default_value = "kill")]
+    seccomp: ember_vmm::seccomp::SeccompMode,
     /// Print the effective configuration and kernel command line, then exit.
     #[arg(long)]
     dry_run: bool,
@@ -112,7 +116,12 @@ fn parse_vsock(s: &str) -> Result<VsockConfig, String> {
     let mut uds = None;
     for (k, v) in key_values(s)? {
         match k {
-            "cid" => cid = Some(v.parse::<u64>().map_err(|e| format!("vsock cid {v:?}: {e}"))?),
+            "cid" => {
+                cid = Some(
+                    v.parse::<u64>()
+                        .map_err(|e| format!("vsock cid {v:?}: {e}"))?,
+                )
+            }
             "uds" => uds = Some(PathBuf::from(v)),
             other => return Err(format!("unknown --vsock option {other:?} (cid, uds)")),
         }
@@ -173,7 +182,9 @@ fn serial_out(spec: &str) -> Result<ember_devices::legacy::SerialOut, String> {
             Some(p) => std::fs::File::create(p)
                 .map(|f| Box::new(f) as ember_devices::legacy::SerialOut)
                 .map_err(|e| format!("cannot create serial output file {p}: {e}")),
-            None => Err(format!("--serial {s:?}: expected stdout, none or file:PATH")),
+            None => Err(format!(
+                "--serial {s:?}: expected stdout, none or file:PATH"
+            )),
         },
     }
 }
@@ -228,6 +239,7 @@ fn config(args: &Args) -> Result<VmConfig, String> {
 fn main() -> ExitCode {
     let start = StartTime::now();
     let args = Args::parse();
+    ember_vmm::seccomp::set_mode(args.seccomp);
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("EMBER_LOG")
@@ -246,7 +258,10 @@ fn main() -> ExitCode {
         },
         None => Reporter::default(),
     };
-    reporter.event("start", serde_json::json!({ "mono_ns": start.mono_ns, "pid": std::process::id() }));
+    reporter.event(
+        "start",
+        serde_json::json!({ "mono_ns": start.mono_ns, "pid": std::process::id() }),
+    );
     let out = match serial_out(&args.serial) {
         Ok(o) => o,
         Err(e) => return fail(e),
@@ -266,8 +281,9 @@ fn main() -> ExitCode {
             };
             Vm::restore(dir, &opts, out, reporter.clone(), start).map_err(|e| e.to_string())
         }
-        None => config(&args)
-            .and_then(|cfg| Vm::build(&cfg, out, reporter.clone(), start).map_err(|e| e.to_string())),
+        None => config(&args).and_then(|cfg| {
+            Vm::build(&cfg, out, reporter.clone(), start).map_err(|e| e.to_string())
+        }),
     };
     let mut vm = match built {
         Ok(vm) => vm,
@@ -328,20 +344,32 @@ mod tests {
     #[test]
     fn disk_specs() {
         let d = parse_disk("/img").unwrap();
-        assert_eq!((d.path, d.mode), (PathBuf::from("/img"), BlockMode::ReadWrite));
+        assert_eq!(
+            (d.path, d.mode),
+            (PathBuf::from("/img"), BlockMode::ReadWrite)
+        );
         let d = parse_disk("path=/a,mode=ro,id=root").unwrap();
         assert_eq!((d.mode, d.id.as_str()), (BlockMode::ReadOnly, "root"));
-        assert!(parse_disk("path=/a,mode=rx").unwrap_err().contains("expected ro, rw or overlay"));
+        assert!(parse_disk("path=/a,mode=rx")
+            .unwrap_err()
+            .contains("expected ro, rw or overlay"));
         let d = parse_disk("path=/o,mode=overlay,base=/b").unwrap();
         assert_eq!(d.mode, BlockMode::Overlay { base: "/b".into() });
-        assert!(parse_disk("path=/o,mode=overlay").unwrap_err().contains("base="));
+        assert!(parse_disk("path=/o,mode=overlay")
+            .unwrap_err()
+            .contains("base="));
         let n = parse_net("tap=tap0,mac=02:00:00:00:00:01").unwrap();
-        assert_eq!((n.tap.as_str(), n.mac.as_deref()), ("tap0", Some("02:00:00:00:00:01")));
+        assert_eq!(
+            (n.tap.as_str(), n.mac.as_deref()),
+            ("tap0", Some("02:00:00:00:00:01"))
+        );
         assert!(parse_net("mac=x").unwrap_err().contains("tap"));
         let v = parse_vsock("cid=3,uds=/tmp/v.sock").unwrap();
         assert_eq!(v.guest_cid, 3);
         assert!(parse_vsock("cid=x,uds=/a").is_err());
         assert!(parse_disk("mode=ro").unwrap_err().contains("path"));
-        assert!(parse_disk("path=/a,colour=red").unwrap_err().contains("colour"));
+        assert!(parse_disk("path=/a,colour=red")
+            .unwrap_err()
+            .contains("colour"));
     }
 }

@@ -66,7 +66,10 @@ pub fn ram_ranges(mem_bytes: u64) -> Vec<(GuestAddress, usize)> {
     let low = mem_bytes.min(MMIO_GAP_START);
     let mut v = vec![(GuestAddress(0), low as usize)];
     if mem_bytes > MMIO_GAP_START {
-        v.push((GuestAddress(MMIO_GAP_END), (mem_bytes - MMIO_GAP_START) as usize));
+        v.push((
+            GuestAddress(MMIO_GAP_END),
+            (mem_bytes - MMIO_GAP_START) as usize,
+        ));
     }
     v
 }

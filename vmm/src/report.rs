@@ -63,8 +63,11 @@ impl Reporter {
             obj.insert("event".into(), kind.into());
         }
         if let Some(f) = &self.file {
+            // One write per line, so concurrent writers never interleave partial lines.
+            let mut line = body.to_string();
+            line.push('\n');
             let mut f = f.lock().unwrap_or_else(|p| p.into_inner());
-            let _ = writeln!(f, "{body}");
+            let _ = f.write_all(line.as_bytes());
         }
     }
 }
@@ -81,8 +84,10 @@ mod tests {
         r.event("boot_marker", serde_json::json!({"value": 1}));
         r.clone().event("exit", serde_json::json!({"code": 0}));
         let s = std::fs::read_to_string(&p).unwrap();
-        let lines: Vec<serde_json::Value> =
-            s.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let lines: Vec<serde_json::Value> = s
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
         assert_eq!(lines[0]["event"], "boot_marker");
         assert_eq!(lines[1]["code"], 0);
         Reporter::default().event("ignored", serde_json::json!({}));

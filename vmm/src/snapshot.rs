@@ -146,6 +146,58 @@ pub struct VirtioDeviceState {
     pub device: DeviceState,
 }
 
+/// Name of the copy of disk `i`'s overlay inside a snapshot directory.
+pub fn overlay_file_name(i: usize) -> String {
+    format!("disk{i}.overlay")
+}
+
+/// Copies `src` to a new file `dst`, keeping holes (SEEK_DATA/SEEK_HOLE + copy_file_range).
+pub fn sparse_copy(src: &Path, dst: &Path) -> Result<u64, SnapshotError> {
+    use std::os::unix::io::AsRawFd;
+    let io = |what: &'static str, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| SnapshotError::Io { what, path, source }
+    };
+    let from = File::open(src).map_err(io("cannot open", src))?;
+    let len = from.metadata().map_err(io("cannot stat", src))?.len();
+    let to = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(dst)
+        .map_err(io("cannot create", dst))?;
+    to.set_len(len).map_err(io("cannot size", dst))?;
+    let (fi, fo) = (from.as_raw_fd(), to.as_raw_fd());
+    let mut off: i64 = 0;
+    let mut copied = 0u64;
+    while (off as u64) < len {
+        // SAFETY: lseek on a descriptor we own; no memory is involved.
+        let data = unsafe { libc::lseek(fi, off, libc::SEEK_DATA) };
+        if data < 0 {
+            break; // ENXIO: only a hole remains.
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fi, data, libc::SEEK_HOLE) };
+        let end = if hole < 0 { len as i64 } else { hole };
+        let (mut a, mut b) = (data, data);
+        while a < end {
+            // SAFETY: both descriptors are ours; the offsets are valid in-out pointers to
+            // locals; the kernel copies at most `end - a` bytes between the files.
+            let n = unsafe { libc::copy_file_range(fi, &mut a, fo, &mut b, (end - a) as usize, 0) };
+            if n <= 0 {
+                return Err(SnapshotError::Io {
+                    what: "cannot copy",
+                    path: src.to_path_buf(),
+                    source: std::io::Error::last_os_error(),
+                });
+            }
+            copied += n as u64;
+        }
+        off = end;
+    }
+    to.sync_all().map_err(io("cannot sync", dst))?;
+    Ok(copied)
+}
+
 /// What a snapshot write produced.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct SnapshotInfo {
@@ -215,14 +267,31 @@ pub fn write_snapshot(
         .as_ref()
         .map(|s| ember_devices::bus::lock(s).snapshot())
         .ok_or_else(|| SnapshotError::Unsupported("VM has no serial port".into()))?;
-    let virtio = vm
+    // Overlay disks: the VM may keep writing its overlay after the snapshot, so the snapshot
+    // carries its own copy (sparse), taken while the vCPUs are paused and right after the
+    // device made the overlay durable (`save`).
+    let mut disk_index = 0usize;
+    let mut overlay_copies: Vec<(PathBuf, String)> = Vec::new();
+    let virtio: Vec<VirtioDeviceState> = vm
         .devices
         .virtio
         .iter()
         .map(|slot| {
             let t = lock(&slot.transport);
             let device = match &slot.handle {
-                VirtioHandle::Block(d) => DeviceState::Block(lock(d).save()),
+                VirtioHandle::Block(d) => {
+                    let dev = lock(d);
+                    let st = dev.save();
+                    if matches!(
+                        st.config.mode,
+                        ember_devices::virtio::block::BlockMode::Overlay { .. }
+                    ) {
+                        overlay_copies
+                            .push((st.config.path.clone(), overlay_file_name(disk_index)));
+                    }
+                    disk_index += 1;
+                    DeviceState::Block(st)
+                }
                 VirtioHandle::Net(d) => DeviceState::Net(lock(d).save()),
                 VirtioHandle::Vsock(d) => DeviceState::Vsock(lock(d).save()),
             };
@@ -235,6 +304,9 @@ pub fn write_snapshot(
             }
         })
         .collect();
+    for (src, name) in &overlay_copies {
+        sparse_copy(src, &writer.path(name)?)?;
+    }
     let state = VmState {
         virtio,
         ember_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -320,7 +392,9 @@ pub fn load_state(dir: &Path, opts: &RestoreOptions) -> Result<VmState, Snapshot
     let mut expect_off = 0;
     for r in &state.memory {
         if r.file_offset != expect_off || r.len == 0 {
-            return Err(incompatible("memory regions are not laid out back to back".into()));
+            return Err(incompatible(
+                "memory regions are not laid out back to back".into(),
+            ));
         }
         expect_off += r.len;
     }
@@ -330,7 +404,10 @@ pub fn load_state(dir: &Path, opts: &RestoreOptions) -> Result<VmState, Snapshot
 
 /// Maps the memory file privately: reads come from the page cache shared with every other
 /// clone, writes go to private copies, the file is never modified.
-pub fn map_memory(dir: &Path, regions: &[MemoryRegionState]) -> Result<GuestMemoryMmap, SnapshotError> {
+pub fn map_memory(
+    dir: &Path,
+    regions: &[MemoryRegionState],
+) -> Result<GuestMemoryMmap, SnapshotError> {
     let path = dir.join(MEMORY_FILE);
     let file = File::open(&path).map_err(|source| SnapshotError::Io {
         what: "cannot open",
@@ -350,12 +427,13 @@ pub fn map_memory(dir: &Path, regions: &[MemoryRegionState]) -> Result<GuestMemo
                 path: path.clone(),
                 source: std::io::Error::other(e.to_string()),
             })?;
-        let region = GuestRegionMmap::new(mapping, GuestAddress(r.guest_phys_addr)).ok_or_else(
-            || SnapshotError::Incompatible {
-                dir: dir.to_path_buf(),
-                reason: format!("memory region at {:#x} overflows", r.guest_phys_addr),
-            },
-        )?;
+        let region =
+            GuestRegionMmap::new(mapping, GuestAddress(r.guest_phys_addr)).ok_or_else(|| {
+                SnapshotError::Incompatible {
+                    dir: dir.to_path_buf(),
+                    reason: format!("memory region at {:#x} overflows", r.guest_phys_addr),
+                }
+            })?;
         out.push(region);
     }
     GuestMemoryMmap::from_regions(out).map_err(|e| SnapshotError::Incompatible {
@@ -373,34 +451,48 @@ impl Vm {
         reporter: Reporter,
         start: StartTime,
     ) -> Result<Self, SnapshotError> {
+        let mut steps = Steps::new(start);
         let state = load_state(dir, opts)?;
+        steps.mark("read_and_check_state");
         let build = |e: VmError| SnapshotError::Build {
             dir: dir.to_path_buf(),
             source: Box::new(e),
         };
         let kvm = crate::vm::open_kvm().map_err(build)?;
+        steps.mark("open_kvm");
         let mem = map_memory(dir, &state.memory)?;
+        steps.mark("map_memory");
         prefetch(dir, &mem, opts.prefetch, &reporter);
-        let vm_fd = kvm.create_vm().map_err(|source| build(VmError::Kvm {
-            what: "KVM_CREATE_VM",
-            source,
-        }))?;
+        let vm_fd = kvm.create_vm().map_err(|source| {
+            build(VmError::Kvm {
+                what: "KVM_CREATE_VM",
+                source,
+            })
+        })?;
         if let Err(e) = vm_fd.set_tss_address(0xfffb_d000) {
             tracing::debug!("KVM_SET_TSS_ADDR: {e} (not needed on this host)");
         }
+        steps.mark("create_vm");
         crate::vm::register_memory(&vm_fd, &mem).map_err(build)?;
+        steps.mark("memory_slots");
         crate::vm::create_irqchip_and_pit(&vm_fd).map_err(build)?;
+        steps.mark("irqchip_and_pit");
         vstate::restore_vm(&vm_fd, &state.kvm)?;
+        steps.mark("vm_state");
 
         // The CPU must present what the snapshot's guest saw.
         let supported = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(|source| build(VmError::Kvm {
-                what: "KVM_GET_SUPPORTED_CPUID",
-                source,
-            }))?;
+            .map_err(|source| {
+                build(VmError::Kvm {
+                    what: "KVM_GET_SUPPORTED_CPUID",
+                    source,
+                })
+            })?;
         let mut expected = supported;
-        state.cpu_profile.apply(&mut expected, 0, state.config.vcpus);
+        state
+            .cpu_profile
+            .apply(&mut expected, 0, state.config.vcpus);
         if !same_cpuid(expected.as_slice(), &state.vcpus[0].cpuid) {
             return Err(SnapshotError::Incompatible {
                 dir: dir.to_path_buf(),
@@ -411,39 +503,49 @@ impl Vm {
             });
         }
 
-        let events = crate::device_manager::EventLoop::new()
-            .map_err(|e| build(VmError::EventLoop(e)))?;
+        let events =
+            crate::device_manager::EventLoop::new().map_err(|e| build(VmError::EventLoop(e)))?;
         let mut devices = crate::device_manager::DeviceManager::new();
-        let irq = EventTrigger::new().map_err(|source| build(VmError::Os {
-            what: "eventfd",
-            source,
-        }))?;
+        let irq = EventTrigger::new().map_err(|source| {
+            build(VmError::Os {
+                what: "eventfd",
+                source,
+            })
+        })?;
         let drained = devices
             .new_drained_event()
             .map_err(|e| build(VmError::Device(e)))?;
         let serial = Serial::from_snapshot(&state.serial, irq, serial_out, Some(drained)).map_err(
-            |source| build(VmError::Os {
-                what: "serial state",
-                source,
-            }),
+            |source| {
+                build(VmError::Os {
+                    what: "serial state",
+                    source,
+                })
+            },
         )?;
         devices
             .add_serial_device(&vm_fd, serial)
             .map_err(|e| build(VmError::Device(e)))?;
         let reset_evt = devices.add_i8042().map_err(|e| build(VmError::Device(e)))?;
         devices
-            .add_boot_marker(BootMarker::new(crate::vm::marker_sink(reporter.clone(), start)))
+            .add_boot_marker(BootMarker::new(crate::vm::marker_sink(
+                reporter.clone(),
+                start,
+            )))
             .map_err(|e| build(VmError::Device(e)))?;
 
+        steps.mark("cpuid_check_and_legacy_devices");
         let mut events = events;
         let mut config = state.config;
         apply_overrides(&mut config, opts);
         let (mut disk_i, mut net_i) = (0usize, 0usize);
         for v in state.virtio {
-            let irq_evt = EventTrigger::new().map_err(|source| build(VmError::Os {
-                what: "eventfd",
-                source,
-            }))?;
+            let irq_evt = EventTrigger::new().map_err(|source| {
+                build(VmError::Os {
+                    what: "eventfd",
+                    source,
+                })
+            })?;
             let interrupt = Arc::new(Interrupt::new(irq_evt));
             interrupt.restore_status(v.transport.interrupt_status);
             let live = v.transport.status & ember_devices::virtio::mmio::status::DRIVER_OK != 0;
@@ -455,13 +557,44 @@ impl Vm {
             };
             match v.device {
                 DeviceState::Block(s) => {
-                    let cfg = config.disks.get(disk_i).cloned().unwrap_or(s.config.clone());
+                    let mut cfg = config
+                        .disks
+                        .get(disk_i)
+                        .cloned()
+                        .unwrap_or(s.config.clone());
+                    if matches!(
+                        cfg.mode,
+                        ember_devices::virtio::block::BlockMode::Overlay { .. }
+                    ) {
+                        let given = opts.disk_paths.get(disk_i).cloned().flatten();
+                        let Some(own) = given else {
+                            return Err(dev_err(format!(
+                                "disk {disk_i} is a copy-on-write overlay: give this clone its own \
+                                 overlay file (--disk-path; a missing file is created from the \
+                                 snapshot's copy)"
+                            )));
+                        };
+                        if !own.exists() {
+                            sparse_copy(&dir.join(overlay_file_name(disk_i)), &own)?;
+                        }
+                        cfg.path = own;
+                    }
                     disk_i += 1;
                     let d = Arc::new(std::sync::Mutex::new(
                         Block::restore((cfg, args), &s).map_err(|e| dev_err(e.to_string()))?,
                     ));
                     devices
-                        .attach_virtio(&vm_fd, &mem, &mut events, d.clone(), VirtioHandle::Block(d), v.base, v.irq, interrupt, restore)
+                        .attach_virtio(
+                            &vm_fd,
+                            &mem,
+                            &mut events,
+                            d.clone(),
+                            VirtioHandle::Block(d),
+                            v.base,
+                            v.irq,
+                            interrupt,
+                            restore,
+                        )
                         .map_err(|e| build(VmError::Device(e)))?;
                 }
                 DeviceState::Net(s) => {
@@ -475,7 +608,17 @@ impl Vm {
                         Net::restore((cfg, args), &s).map_err(|e| dev_err(e.to_string()))?,
                     ));
                     devices
-                        .attach_virtio(&vm_fd, &mem, &mut events, d.clone(), VirtioHandle::Net(d), v.base, v.irq, interrupt, restore)
+                        .attach_virtio(
+                            &vm_fd,
+                            &mem,
+                            &mut events,
+                            d.clone(),
+                            VirtioHandle::Net(d),
+                            v.base,
+                            v.irq,
+                            interrupt,
+                            restore,
+                        )
                         .map_err(|e| build(VmError::Device(e)))?;
                 }
                 DeviceState::Vsock(s) => {
@@ -487,16 +630,29 @@ impl Vm {
                         Vsock::restore((cfg, args), &s).map_err(|e| dev_err(e.to_string()))?,
                     ));
                     devices
-                        .attach_virtio(&vm_fd, &mem, &mut events, d.clone(), VirtioHandle::Vsock(d), v.base, v.irq, interrupt, restore)
+                        .attach_virtio(
+                            &vm_fd,
+                            &mem,
+                            &mut events,
+                            d.clone(),
+                            VirtioHandle::Vsock(d),
+                            v.base,
+                            v.irq,
+                            interrupt,
+                            restore,
+                        )
                         .map_err(|e| build(VmError::Device(e)))?;
                 }
             }
         }
 
-        let msr_list = kvm.get_msr_index_list().map_err(|source| build(VmError::Kvm {
-            what: "KVM_GET_MSR_INDEX_LIST",
-            source,
-        }))?;
+        steps.mark("virtio_devices");
+        let msr_list = kvm.get_msr_index_list().map_err(|source| {
+            build(VmError::Kvm {
+                what: "KVM_GET_MSR_INDEX_LIST",
+                source,
+            })
+        })?;
         let msr_indices = Arc::new(vstate::order_msrs(msr_list.as_slice().to_vec()));
         let pio = Arc::new(devices.pio.clone());
         let mmio = Arc::new(devices.mmio.clone());
@@ -523,6 +679,18 @@ impl Vm {
                 reporter: reporter.clone(),
             });
         }
+        // Interrupts raised while the devices were restored (vsock's transport reset, causes
+        // pending at snapshot time) reached the interrupt controller before the vCPUs' LAPIC
+        // state was restored, which overwrote them: raise them again now. A spurious
+        // interrupt is harmless (the driver reads InterruptStatus).
+        for slot in &devices.virtio {
+            let t = lock(&slot.transport);
+            if t.interrupt().status() != 0 {
+                let _ = t.interrupt().eventfd().write(1);
+            }
+        }
+        steps.mark("vcpus");
+        steps.report(&reporter);
         Vm::assemble(crate::vm::Parts {
             vm_fd,
             memory: mem,
@@ -542,6 +710,48 @@ impl Vm {
     }
 }
 
+/// Per-step timings of a restore, reported as one `restore_steps` event.
+struct Steps {
+    last: std::time::Instant,
+    steps: Vec<(&'static str, f64)>,
+}
+
+impl Steps {
+    fn new(start: StartTime) -> Self {
+        let mut s = Self {
+            last: std::time::Instant::now(),
+            steps: Vec::with_capacity(12),
+        };
+        // Process start (main) to the beginning of the restore: argument parsing, logging.
+        s.steps.push((
+            "process_setup",
+            s.last
+                .saturating_duration_since(start.instant)
+                .as_secs_f64()
+                * 1e3,
+        ));
+        s
+    }
+
+    fn mark(&mut self, name: &'static str) {
+        let now = std::time::Instant::now();
+        self.steps.push((
+            name,
+            now.saturating_duration_since(self.last).as_secs_f64() * 1e3,
+        ));
+        self.last = now;
+    }
+
+    fn report(&self, reporter: &Reporter) {
+        let steps: serde_json::Map<String, serde_json::Value> = self
+            .steps
+            .iter()
+            .map(|(k, v)| ((*k).to_string(), serde_json::json!(v)))
+            .collect();
+        reporter.event("restore_steps", serde_json::json!({ "ms": steps }));
+    }
+}
+
 /// Applies restore-time overrides to the snapshot's configuration.
 fn apply_overrides(config: &mut VmConfig, opts: &RestoreOptions) {
     if let (Some(v), Some(uds)) = (config.vsock.as_mut(), &opts.vsock_uds) {
@@ -558,7 +768,12 @@ fn apply_overrides(config: &mut VmConfig, opts: &RestoreOptions) {
 }
 
 /// Populates the snapshot's recorded working set, now or on a helper thread.
-fn prefetch(dir: &Path, mem: &GuestMemoryMmap, mode: crate::workingset::Prefetch, reporter: &Reporter) {
+fn prefetch(
+    dir: &Path,
+    mem: &GuestMemoryMmap,
+    mode: crate::workingset::Prefetch,
+    reporter: &Reporter,
+) {
     use crate::workingset::{self as ws, Prefetch};
     if mode == Prefetch::Off {
         return;
@@ -593,6 +808,12 @@ fn prefetch(dir: &Path, mem: &GuestMemoryMmap, mode: crate::workingset::Prefetch
         let spawned = std::thread::Builder::new()
             .name("prefetch".into())
             .spawn(move || {
+                if let Err(e) =
+                    crate::seccomp::install_configured(crate::seccomp::ThreadKind::Prefetch)
+                {
+                    tracing::warn!("not prefetching: {e}");
+                    return;
+                }
                 work();
                 drop(keep);
             });
@@ -604,7 +825,9 @@ fn prefetch(dir: &Path, mem: &GuestMemoryMmap, mode: crate::workingset::Prefetch
 
 /// Compares two CPUID tables entry by entry, ignoring order.
 fn same_cpuid(a: &[kvm_bindings::kvm_cpuid_entry2], b: &[kvm_bindings::kvm_cpuid_entry2]) -> bool {
-    let key = |e: &kvm_bindings::kvm_cpuid_entry2| (e.function, e.index, e.flags, e.eax, e.ebx, e.ecx, e.edx);
+    let key = |e: &kvm_bindings::kvm_cpuid_entry2| {
+        (e.function, e.index, e.flags, e.eax, e.ebx, e.ecx, e.edx)
+    };
     let mut x: Vec<_> = a.iter().map(key).collect();
     let mut y: Vec<_> = b.iter().map(key).collect();
     x.sort_unstable();

@@ -186,7 +186,13 @@ impl VcpuHandle {
 
     /// Lets a paused vCPU run again.
     pub fn resume(&self) {
+        // Clear the parked state under the lock, so a pause right after this resume waits for
+        // a fresh park instead of seeing the old one (whose state was already taken).
+        let mut parked = lock(&self.control.parked);
         self.control.pause.store(false, Ordering::SeqCst);
+        parked.paused = false;
+        parked.saved = None;
+        drop(parked);
         self.control.cv.notify_all();
     }
 }
@@ -219,7 +225,9 @@ pub struct Vcpu {
 
 impl std::fmt::Debug for Vcpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Vcpu").field("id", &self.id).finish_non_exhaustive()
+        f.debug_struct("Vcpu")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
     }
 }
 
@@ -246,6 +254,12 @@ impl Vcpu {
     }
 
     fn run_loop(mut self, control: &VcpuControl) -> Option<VcpuExitReason> {
+        if let Err(e) = crate::seccomp::install_configured(crate::seccomp::ThreadKind::Vcpu) {
+            return Some(VcpuExitReason::Error {
+                vcpu: self.id,
+                message: e.to_string(),
+            });
+        }
         let run_ptr: *mut kvm_run = self.fd.get_kvm_run();
         KVM_RUN_PTR.with(|p| p.set(run_ptr));
         self.reporter.event(
@@ -282,10 +296,7 @@ impl Vcpu {
         parked.paused = true;
         control.cv.notify_all();
         while control.pause.load(Ordering::SeqCst) && !control.stop.load(Ordering::SeqCst) {
-            parked = control
-                .cv
-                .wait(parked)
-                .unwrap_or_else(|p| p.into_inner());
+            parked = control.cv.wait(parked).unwrap_or_else(|p| p.into_inner());
         }
         parked.paused = false;
         parked.saved = None;
@@ -328,7 +339,9 @@ impl Vcpu {
                     kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => {
                         Some(VcpuExitReason::PowerOff { vcpu: id })
                     }
-                    kvm_bindings::KVM_SYSTEM_EVENT_RESET => Some(VcpuExitReason::Reset { vcpu: id }),
+                    kvm_bindings::KVM_SYSTEM_EVENT_RESET => {
+                        Some(VcpuExitReason::Reset { vcpu: id })
+                    }
                     other => Some(VcpuExitReason::Error {
                         vcpu: id,
                         message: format!("unexpected KVM system event {other}"),

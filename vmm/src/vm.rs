@@ -20,11 +20,11 @@ use crate::api::{AfterSnapshot, ApiQueue, ApiServer, Request};
 use crate::boot::{self, BootError};
 use crate::cpu::{CpuProfile, HostKvm};
 use crate::device_manager::{DeviceError, DeviceManager, EventLoop, VirtioHandle};
-use ember_devices::virtio::net::{Net, NetConfig, NetError};
-use ember_devices::virtio::vsock::{Vsock, VsockConfig, VsockError};
 use crate::memory::{self, MemoryError};
 use crate::report::{Reporter, StartTime};
 use crate::vcpu::{self, Vcpu, VcpuExitReason, VcpuHandle};
+use ember_devices::virtio::net::{Net, NetConfig, NetError};
+use ember_devices::virtio::vsock::{Vsock, VsockConfig, VsockError};
 
 /// The kernel command line ember starts from (before the root device, CPU-profile masks,
 /// device entries and user additions).
@@ -142,6 +142,9 @@ pub enum VmError {
     /// The vsock device.
     #[error(transparent)]
     Vsock(#[from] VsockError),
+    /// Seccomp.
+    #[error(transparent)]
+    Seccomp(#[from] crate::seccomp::SeccompError),
     /// Event loop.
     #[error("event loop: {0:?}")]
     EventLoop(event_manager::Error),
@@ -295,7 +298,13 @@ pub struct Parts {
 /// Opens /dev/kvm and checks the capabilities ember uses.
 pub fn open_kvm() -> Result<Kvm, VmError> {
     let kvm = Kvm::new().map_err(VmError::KvmOpen)?;
-    for cap in [Cap::Irqchip, Cap::Ioeventfd, Cap::Irqfd, Cap::UserMemory, Cap::Pit2] {
+    for cap in [
+        Cap::Irqchip,
+        Cap::Ioeventfd,
+        Cap::Irqfd,
+        Cap::UserMemory,
+        Cap::Pit2,
+    ] {
         if !kvm.check_extension(cap) {
             return Err(VmError::MissingCap(cap));
         }
@@ -388,7 +397,9 @@ impl Vm {
         let host = HostKvm::detect();
         let profile = config.cpu_profile.unwrap_or_else(|| host.default_profile());
         let kvm = open_kvm()?;
-        let max = kvm.get_max_vcpus().min(usize::from(boot::mptable::MAX_VCPUS));
+        let max = kvm
+            .get_max_vcpus()
+            .min(usize::from(boot::mptable::MAX_VCPUS));
         if config.vcpus == 0 || usize::from(config.vcpus) > max {
             return Err(VmError::VcpuCount {
                 requested: config.vcpus,
@@ -570,12 +581,13 @@ impl Vm {
             what: "eventfd clone",
             source,
         })?;
-        let input = crate::console::SerialInput::new(serial.clone(), fd, drained).map_err(
-            |source| VmError::Os {
-                what: "console input",
-                source,
-            },
-        )?;
+        let input =
+            crate::console::SerialInput::new(serial.clone(), fd, drained).map_err(|source| {
+                VmError::Os {
+                    what: "console input",
+                    source,
+                }
+            })?;
         self.events.add_subscriber(Arc::new(Mutex::new(input)));
         Ok(())
     }
@@ -597,15 +609,24 @@ impl Vm {
         })?;
         let mut handles: Vec<VcpuHandle> = Vec::with_capacity(self.vcpus.len());
         for v in self.vcpus.drain(..) {
-            let evt = self.vcpu_exit_evt.try_clone().map_err(|source| VmError::Os {
-                what: "eventfd clone",
-                source,
-            })?;
-            handles.push(v.start(self.exit_tx.clone(), evt).map_err(|source| VmError::Os {
-                what: "spawning a vCPU thread",
-                source,
-            })?);
+            let evt = self
+                .vcpu_exit_evt
+                .try_clone()
+                .map_err(|source| VmError::Os {
+                    what: "eventfd clone",
+                    source,
+                })?;
+            handles.push(
+                v.start(self.exit_tx.clone(), evt)
+                    .map_err(|source| VmError::Os {
+                        what: "spawning a vCPU thread",
+                        source,
+                    })?,
+            );
         }
+        // After the vCPU threads exist (a thread inherits its creator's filters) and before the
+        // event loop handles anything the guest controls.
+        crate::seccomp::install_configured(crate::seccomp::ThreadKind::Main)?;
         self.reporter.event(
             "vcpus_started",
             serde_json::json!({ "mono_ns": crate::report::monotonic_ns() }),
@@ -718,7 +739,9 @@ impl Vm {
 
     fn stats(&self, paused: bool) -> serde_json::Value {
         let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-        let mut f = statm.split_whitespace().map(|x| x.parse::<u64>().unwrap_or(0));
+        let mut f = statm
+            .split_whitespace()
+            .map(|x| x.parse::<u64>().unwrap_or(0));
         let (size, rss) = (f.next().unwrap_or(0), f.next().unwrap_or(0));
         serde_json::json!({
             "paused": paused,
@@ -775,7 +798,14 @@ pub fn assemble_cmdline(config: &VmConfig, profile: CpuProfile, devices: &[Strin
     if config.root {
         if let Some(d) = config.disks.first() {
             parts.push("root=/dev/vda".into());
-            parts.push(if d.mode == BlockMode::ReadOnly { "ro" } else { "rw" }.into());
+            parts.push(
+                if d.mode == BlockMode::ReadOnly {
+                    "ro"
+                } else {
+                    "rw"
+                }
+                .into(),
+            );
         }
     }
     let masks = profile.cmdline();
@@ -801,7 +831,11 @@ mod tests {
             id: "root".into(),
         });
         c.cmdline_extra.push("ember.run=ZWNobw".into());
-        let s = assemble_cmdline(&c, CpuProfile::Pvm, &["virtio_mmio.device=4K@0xd0000000:5".into()]);
+        let s = assemble_cmdline(
+            &c,
+            CpuProfile::Pvm,
+            &["virtio_mmio.device=4K@0xd0000000:5".into()],
+        );
         assert!(s.starts_with(DEFAULT_CMDLINE));
         let root = s.find("root=/dev/vda ro").unwrap();
         let masks = s.find("clearcpuid=").unwrap();
@@ -812,7 +846,10 @@ mod tests {
         assert!(!host.contains("clearcpuid"));
         c.root = false;
         c.cmdline = Some("console=ttyS0".into());
-        assert_eq!(assemble_cmdline(&c, CpuProfile::Host, &[]), "console=ttyS0 ember.run=ZWNobw");
+        assert_eq!(
+            assemble_cmdline(&c, CpuProfile::Host, &[]),
+            "console=ttyS0 ember.run=ZWNobw"
+        );
     }
 
     #[test]

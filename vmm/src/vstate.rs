@@ -8,9 +8,9 @@
 //! any vCPU is created.
 
 use kvm_bindings::{
-    kvm_clock_data, kvm_cpuid_entry2, kvm_debugregs, kvm_irqchip, kvm_lapic_state,
-    kvm_mp_state, kvm_msr_entry, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs,
-    kvm_xsave, CpuId, Msrs, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
+    kvm_clock_data, kvm_cpuid_entry2, kvm_debugregs, kvm_irqchip, kvm_lapic_state, kvm_mp_state,
+    kvm_msr_entry, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
+    CpuId, Msrs, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
 };
 use kvm_ioctls::{VcpuFd, VmFd};
 
@@ -117,7 +117,8 @@ pub fn read_msrs(fd: &VcpuFd, id: u8, indices: &[u32]) -> Result<Vec<kvm_msr_ent
                 ..Default::default()
             })
             .collect();
-        let mut msrs = Msrs::from_entries(&entries).map_err(|_| StateError::TooMany(entries.len()))?;
+        let mut msrs =
+            Msrs::from_entries(&entries).map_err(|_| StateError::TooMany(entries.len()))?;
         let n = fd.get_msrs(&mut msrs).map_err(|source| StateError::Kvm {
             what: "KVM_GET_MSRS",
             vcpu: Some(id),
@@ -140,10 +141,12 @@ pub fn save_vcpu(
     msr_indices: &[u32],
     caps: StateCaps,
 ) -> Result<VcpuState, StateError> {
-    let kvm = |what| move |source| StateError::Kvm {
-        what,
-        vcpu: Some(id),
-        source,
+    let kvm = |what| {
+        move |source| StateError::Kvm {
+            what,
+            vcpu: Some(id),
+            source,
+        }
     };
     Ok(VcpuState {
         id,
@@ -167,14 +170,17 @@ pub fn save_vcpu(
 /// Restores a vCPU's state in the order KVM requires.
 pub fn restore_vcpu(fd: &VcpuFd, s: &VcpuState) -> Result<(), StateError> {
     let id = s.id;
-    let kvm = |what| move |source| StateError::Kvm {
-        what,
-        vcpu: Some(id),
-        source,
+    let kvm = |what| {
+        move |source| StateError::Kvm {
+            what,
+            vcpu: Some(id),
+            source,
+        }
     };
     let cpuid = CpuId::from_entries(&s.cpuid).map_err(|_| StateError::TooMany(s.cpuid.len()))?;
     fd.set_cpuid2(&cpuid).map_err(kvm("KVM_SET_CPUID2"))?;
-    fd.set_mp_state(s.mp_state).map_err(kvm("KVM_SET_MP_STATE"))?;
+    fd.set_mp_state(s.mp_state)
+        .map_err(kvm("KVM_SET_MP_STATE"))?;
     fd.set_regs(&s.regs).map_err(kvm("KVM_SET_REGS"))?;
     fd.set_sregs(&s.sregs).map_err(kvm("KVM_SET_SREGS"))?;
     // SAFETY: `kvm_xsave` is the fixed 4 KiB legacy XSAVE buffer, fully owned by `s`; KVM
@@ -220,13 +226,19 @@ pub struct KvmVmState {
 
 /// Captures the VM-wide state.
 pub fn save_vm(vm: &VmFd) -> Result<KvmVmState, StateError> {
-    let kvm = |what| move |source| StateError::Kvm {
-        what,
-        vcpu: None,
-        source,
+    let kvm = |what| {
+        move |source| StateError::Kvm {
+            what,
+            vcpu: None,
+            source,
+        }
     };
     let mut irqchips = Vec::with_capacity(3);
-    for chip_id in [KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_IRQCHIP_IOAPIC] {
+    for chip_id in [
+        KVM_IRQCHIP_PIC_MASTER,
+        KVM_IRQCHIP_PIC_SLAVE,
+        KVM_IRQCHIP_IOAPIC,
+    ] {
         let mut c = kvm_irqchip {
             chip_id,
             ..Default::default()
@@ -246,10 +258,12 @@ pub fn save_vm(vm: &VmFd) -> Result<KvmVmState, StateError> {
 
 /// Restores the VM-wide state (after the irqchip and PIT exist, before vCPUs run).
 pub fn restore_vm(vm: &VmFd, s: &KvmVmState) -> Result<(), StateError> {
-    let kvm = |what| move |source| StateError::Kvm {
-        what,
-        vcpu: None,
-        source,
+    let kvm = |what| {
+        move |source| StateError::Kvm {
+            what,
+            vcpu: None,
+            source,
+        }
     };
     for c in &s.irqchips {
         vm.set_irqchip(c).map_err(kvm("KVM_SET_IRQCHIP"))?;
@@ -265,7 +279,12 @@ mod tests {
 
     #[test]
     fn tsc_goes_first_and_the_deadline_after_it() {
-        let o = order_msrs(vec![MSR_IA32_TSC_DEADLINE, 0xc000_0082, MSR_IA32_TSC, 0x174]);
+        let o = order_msrs(vec![
+            MSR_IA32_TSC_DEADLINE,
+            0xc000_0082,
+            MSR_IA32_TSC,
+            0x174,
+        ]);
         assert_eq!(o[0], MSR_IA32_TSC);
         assert_eq!(*o.last().unwrap(), MSR_IA32_TSC_DEADLINE);
     }

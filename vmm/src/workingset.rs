@@ -77,7 +77,9 @@ pub fn record(mem: &GuestMemoryMmap) -> Result<PageSet, WorkingSetError> {
                 .seek(SeekFrom::Start((start + done) * 8))
                 .map_err(WorkingSetError::Pagemap)?;
             let bytes = &mut buf[..(n * 8) as usize];
-            pagemap.read_exact(bytes).map_err(WorkingSetError::Pagemap)?;
+            pagemap
+                .read_exact(bytes)
+                .map_err(WorkingSetError::Pagemap)?;
             for (i, e) in bytes.chunks_exact(8).enumerate() {
                 let entry = u64::from_le_bytes(e.try_into().unwrap_or_default());
                 if entry & PAGEMAP_PRESENT != 0 {
@@ -125,7 +127,10 @@ pub fn ranges(mem: &GuestMemoryMmap, set: &PageSet) -> Vec<(usize, usize)> {
             }
             let a = s.max(rfirst);
             let b = e.min(rend);
-            out.push((base + ((a - rfirst) * PAGE) as usize, ((b - a) * PAGE) as usize));
+            out.push((
+                base + ((a - rfirst) * PAGE) as usize,
+                ((b - a) * PAGE) as usize,
+            ));
             s = b;
         }
     }
@@ -163,10 +168,16 @@ mod tests {
         mem.write_obj(1u8, GuestAddress(200 * PAGE)).unwrap();
         let set = record(&mem).unwrap();
         assert!(set.contains(3) && set.contains(4) && set.contains(200));
-        assert!(!set.contains(100), "untouched anonymous pages are not present");
+        assert!(
+            !set.contains(100),
+            "untouched anonymous pages are not present"
+        );
         let r = ranges(&mem, &set);
         let base = mem.iter().next().unwrap().as_ptr() as usize;
-        assert!(r.contains(&(base + 3 * PAGE as usize, 2 * PAGE as usize)), "{r:?}");
+        assert!(
+            r.contains(&(base + 3 * PAGE as usize, 2 * PAGE as usize)),
+            "{r:?}"
+        );
         assert_eq!(populate(&r), r.iter().map(|x| x.1 as u64).sum::<u64>());
         let dir = tempfile::tempdir().unwrap();
         save(dir.path(), &set).unwrap();

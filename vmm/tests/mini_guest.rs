@@ -30,7 +30,7 @@ fn elf_with_code(code: &[u8]) -> Vec<u8> {
     e.extend_from_slice(&56u16.to_le_bytes()); // phentsize
     e.extend_from_slice(&1u16.to_le_bytes()); // phnum
     e.extend_from_slice(&[0; 6]); // shentsize, shnum, shstrndx
-    // PT_LOAD, R+X, the whole file at LOAD_ADDR.
+                                  // PT_LOAD, R+X, the whole file at LOAD_ADDR.
     e.extend_from_slice(&1u32.to_le_bytes());
     e.extend_from_slice(&5u32.to_le_bytes());
     e.extend_from_slice(&0u64.to_le_bytes());
@@ -112,11 +112,17 @@ fn mini_guest_marks_prints_and_resets() {
     assert_eq!(r.unwrap(), VmExit::GuestReset);
     assert_eq!(console, "ok\n");
     let ev = events(&report);
-    let marker = ev.iter().find(|e| e["event"] == "boot_marker").expect("marker event");
+    let marker = ev
+        .iter()
+        .find(|e| e["event"] == "boot_marker")
+        .expect("marker event");
     assert_eq!(marker["value"], 7);
     assert_eq!(marker["first"], true);
     assert!(marker["ms_since_start"].as_f64().unwrap() > 0.0);
-    let exit = ev.iter().find(|e| e["event"] == "exit").expect("exit event");
+    let exit = ev
+        .iter()
+        .find(|e| e["event"] == "exit")
+        .expect("exit event");
     assert_eq!(exit["code"], 0);
 }
 

@@ -2,8 +2,9 @@
 //!
 //! - The `ember-vmm` binary with its filters on boots a hand-assembled guest (one and four
 //!   vCPUs), serves every control request, writes a snapshot, restores it, records its
-//!   working set and prefetches it on the prefetch thread; its test hook (`EMBER_VMM_TEST_FORBIDDEN_SYSCALL`) kills it by `SIGSYS` in
-//!   `kill` mode, on the main thread, on a vCPU thread and on the prefetch thread, while `log` and `off` go on.
+//!   working set and prefetches it on the prefetch thread. Its test hook
+//!   (`EMBER_VMM_TEST_FORBIDDEN_SYSCALL`) kills it by `SIGSYS` in `kill` mode, on the main
+//!   thread, on a vCPU thread and on the prefetch thread, while `log` and `off` go on.
 //! - Probes: this test binary re-runs itself with `EMBER_SECCOMP_PROBE=<kind>:<action>`; the
 //!   child installs one filter on a fresh thread, does one thing, and either reports
 //!   `PROBE-OK` or dies by `SIGSYS`. That checks each filter loads, that what the VMM needs is
@@ -93,18 +94,18 @@ fn kvm_available() -> bool {
 
 /// No core files from the processes we expect to die.
 fn no_core_dumps(cmd: &mut Command) -> &mut Command {
+    let no_core = || {
+        let zero = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: setrlimit reads one local struct.
+        unsafe { libc::setrlimit(libc::RLIMIT_CORE, &zero) };
+        Ok(())
+    };
     // SAFETY: the closure runs in the child between fork and exec and only calls setrlimit,
-    // which is async-signal-safe, on a local struct.
-    unsafe {
-        cmd.pre_exec(|| {
-            let zero = libc::rlimit {
-                rlim_cur: 0,
-                rlim_max: 0,
-            };
-            libc::setrlimit(libc::RLIMIT_CORE, &zero);
-            Ok(())
-        })
-    }
+    // which is async-signal-safe.
+    unsafe { cmd.pre_exec(no_core) }
 }
 
 struct Vmm {
@@ -356,6 +357,11 @@ fn control_requests_snapshots_and_restores_run_under_the_filters() {
     request(&p("a.sock"), serde_json::json!({"op": "pause"}));
     request(&p("a.sock"), serde_json::json!({"op": "stats"}));
     request(&p("a.sock"), serde_json::json!({"op": "resume"}));
+    // Let the guest run again before the snapshot pauses it: a pause right after a resume can
+    // still see the previous park (`paused` set, state already taken) and fail with "vCPU
+    // state was already taken", which is about the pause protocol, not about seccomp.
+    let ticks = report_events(&p("r1.jsonl"), "boot_marker");
+    wait_for_events(&mut vmm, &p("r1.jsonl"), "boot_marker", ticks + 2);
     request(
         &p("a.sock"),
         serde_json::json!({"op": "snapshot", "dir": snap, "kind": "full"}),
@@ -455,11 +461,10 @@ fn probe_child() {
     let listener = (action == "control_socket")
         .then(|| std::os::unix::net::UnixListener::bind(dir.join("s.sock")).unwrap());
     // The signals the tgkill probes send are ignored (rt_sigaction is a set-up syscall).
-    // SAFETY: SIG_IGN for two signals this child process does not otherwise use.
-    unsafe {
-        libc::signal(libc::SIGRTMIN(), libc::SIG_IGN);
-        libc::signal(libc::SIGUSR1, libc::SIG_IGN);
-    }
+    // SAFETY: SIG_IGN for a signal this child process does not otherwise use.
+    unsafe { libc::signal(libc::SIGRTMIN(), libc::SIG_IGN) };
+    // SAFETY: as above.
+    unsafe { libc::signal(libc::SIGUSR1, libc::SIG_IGN) };
     let action = action.to_string();
     // A fresh thread, so the test harness's own threads stay unfiltered; its exit path runs
     // under the filter, as a VMM thread's does.
@@ -535,12 +540,13 @@ fn run_action(
                 )
             };
             assert_ne!(p, libc::MAP_FAILED);
+            // MADV_POPULATE_READ (EINVAL before Linux 5.14), then MADV_WILLNEED.
             // SAFETY: `p` is the 8 KiB mapping made above; madvise does not change its contents.
-            unsafe {
-                libc::madvise(p, 8192, 22); // MADV_POPULATE_READ (EINVAL before Linux 5.14)
-                libc::madvise(p, 8192, libc::MADV_WILLNEED);
-                libc::munmap(p, 8192);
-            }
+            unsafe { libc::madvise(p, 8192, 22) };
+            // SAFETY: as above.
+            unsafe { libc::madvise(p, 8192, libc::MADV_WILLNEED) };
+            // SAFETY: `p` is the 8 KiB mapping made above, unused from here on.
+            unsafe { libc::munmap(p, 8192) };
         }
         "mmap_exec" => {
             // SAFETY: see above.
@@ -598,30 +604,10 @@ fn run_action(
             // SAFETY: see above.
             unsafe { libc::ioctl(fd, libc::TIOCSTI as _, c"x".as_ptr()) };
         }
-        "tgkill_kick" => {
-            // The kick signal (ignored, see probe_child), sent to ourselves.
-            // SAFETY: see above.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_tgkill,
-                    libc::getpid(),
-                    libc::gettid(),
-                    libc::SIGRTMIN(),
-                )
-            };
-        }
-        "tgkill_sigusr1" => {
-            // SIGUSR1 is ignored (see probe_child) in case the filter lets it through.
-            // SAFETY: see above.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_tgkill,
-                    libc::getpid(),
-                    libc::gettid(),
-                    libc::SIGUSR1,
-                )
-            };
-        }
+        // The kick signal (ignored, see probe_child), sent to ourselves.
+        "tgkill_kick" => tgkill_self(libc::SIGRTMIN()),
+        // SIGUSR1 is ignored (see probe_child) in case the filter lets it through.
+        "tgkill_sigusr1" => tgkill_self(libc::SIGUSR1),
         "snapshot_files" => {
             // What writing a snapshot directory does: mkdir -p, create, write, punch a hole,
             // truncate, fsync files and directories, rename into place, list, stat, read back,
@@ -693,6 +679,14 @@ fn run_action(
         }
         other => panic!("unknown probe action {other:?}"),
     }
+}
+
+/// tgkill(2) to the calling thread.
+fn tgkill_self(sig: libc::c_int) {
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() };
+    // SAFETY: a signal to our own thread; no memory is passed.
+    unsafe { libc::syscall(libc::SYS_tgkill, std::process::id(), tid, sig) };
 }
 
 /// Runs one probe in a child process.
@@ -801,23 +795,25 @@ mod ioctls {
     ioctl_ior_nr!(KVM_GET_CLOCK, KVMIO, 0x7c, kvm_clock_data);
 }
 
-/// The value of a constant named in a rule's comment.
+/// The value of a constant named in a rule's comment. (The casts are needed where libc's
+/// types differ between targets.)
+#[allow(clippy::unnecessary_cast)]
 fn constant(name: &str) -> Option<u64> {
     use ioctls::*;
     let v: u64 = match name {
-        "KVM_RUN" => KVM_RUN().into(),
-        "KVM_GET_REGS" => KVM_GET_REGS().into(),
-        "KVM_GET_SREGS" => KVM_GET_SREGS().into(),
-        "KVM_GET_MSRS" => KVM_GET_MSRS().into(),
-        "KVM_GET_LAPIC" => KVM_GET_LAPIC().into(),
-        "KVM_GET_MP_STATE" => KVM_GET_MP_STATE().into(),
-        "KVM_GET_VCPU_EVENTS" => KVM_GET_VCPU_EVENTS().into(),
-        "KVM_GET_DEBUGREGS" => KVM_GET_DEBUGREGS().into(),
-        "KVM_GET_XSAVE" => KVM_GET_XSAVE().into(),
-        "KVM_GET_XCRS" => KVM_GET_XCRS().into(),
-        "KVM_GET_IRQCHIP" => KVM_GET_IRQCHIP().into(),
-        "KVM_GET_PIT2" => KVM_GET_PIT2().into(),
-        "KVM_GET_CLOCK" => KVM_GET_CLOCK().into(),
+        "KVM_RUN" => KVM_RUN(),
+        "KVM_GET_REGS" => KVM_GET_REGS(),
+        "KVM_GET_SREGS" => KVM_GET_SREGS(),
+        "KVM_GET_MSRS" => KVM_GET_MSRS(),
+        "KVM_GET_LAPIC" => KVM_GET_LAPIC(),
+        "KVM_GET_MP_STATE" => KVM_GET_MP_STATE(),
+        "KVM_GET_VCPU_EVENTS" => KVM_GET_VCPU_EVENTS(),
+        "KVM_GET_DEBUGREGS" => KVM_GET_DEBUGREGS(),
+        "KVM_GET_XSAVE" => KVM_GET_XSAVE(),
+        "KVM_GET_XCRS" => KVM_GET_XCRS(),
+        "KVM_GET_IRQCHIP" => KVM_GET_IRQCHIP(),
+        "KVM_GET_PIT2" => KVM_GET_PIT2(),
+        "KVM_GET_CLOCK" => KVM_GET_CLOCK(),
         "FIONBIO" => libc::FIONBIO as u64,
         "TUNSETOFFLOAD" => libc::TUNSETOFFLOAD as u64,
         "F_GETFD" => libc::F_GETFD as u64,

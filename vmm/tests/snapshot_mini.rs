@@ -114,7 +114,9 @@ fn counter_continues_after_restore_in_a_new_process() {
         "--report".as_ref(),
         r1.as_os_str(),
     ]);
-    wait_for("3 counter ticks", Duration::from_secs(60), || markers(&r1).len() >= 3);
+    wait_for("3 counter ticks", Duration::from_secs(60), || {
+        markers(&r1).len() >= 3
+    });
 
     // Pause, check the counter stands still, snapshot, and let the VMM exit.
     assert_eq!(call(&sock, &Request::Pause).unwrap()["ok"], true);
@@ -145,14 +147,24 @@ fn counter_continues_after_restore_in_a_new_process() {
         "--report".as_ref(),
         r2.as_os_str(),
     ]);
-    wait_for("ticks after restore", Duration::from_secs(60), || markers(&r2).len() >= 2);
+    wait_for("ticks after restore", Duration::from_secs(60), || {
+        markers(&r2).len() >= 2
+    });
     let after = markers(&r2);
-    assert_eq!(after[0], (last + 1) % 256, "before {before:?}, after {after:?}");
+    assert_eq!(
+        after[0],
+        (last + 1) % 256,
+        "before {before:?}, after {after:?}"
+    );
     assert_eq!(after[1], (last + 2) % 256);
     // The snapshot's memory file is never written by the restored VM.
     let reread = std::fs::read(snap.join("memory")).unwrap();
     let counter = u64::from_le_bytes(reread[0x300000..0x300008].try_into().unwrap());
-    assert_eq!(counter % 256, last, "memory file holds the snapshot-time counter");
+    assert_eq!(
+        counter % 256,
+        last,
+        "memory file holds the snapshot-time counter"
+    );
 }
 
 #[test]
@@ -173,7 +185,9 @@ fn two_clones_of_one_snapshot_run_at_once() {
         "--report".as_ref(),
         r1.as_os_str(),
     ]);
-    wait_for("a tick", Duration::from_secs(60), || !markers(&r1).is_empty());
+    wait_for("a tick", Duration::from_secs(60), || {
+        !markers(&r1).is_empty()
+    });
     let reply = call(
         &sock,
         &Request::Snapshot {
@@ -185,13 +199,24 @@ fn two_clones_of_one_snapshot_run_at_once() {
     .unwrap();
     assert_eq!(reply["ok"], true, "{reply}");
     assert!(first.0.wait().unwrap().success());
-    let reports: Vec<PathBuf> = (0..2).map(|i| dir.path().join(format!("c{i}.jsonl"))).collect();
+    let reports: Vec<PathBuf> = (0..2)
+        .map(|i| dir.path().join(format!("c{i}.jsonl")))
+        .collect();
     let _clones: Vec<Killer> = reports
         .iter()
-        .map(|r| spawn(&["--restore".as_ref(), snap.as_os_str(), "--report".as_ref(), r.as_os_str()]))
+        .map(|r| {
+            spawn(&[
+                "--restore".as_ref(),
+                snap.as_os_str(),
+                "--report".as_ref(),
+                r.as_os_str(),
+            ])
+        })
         .collect();
     for r in &reports {
-        wait_for("clone ticks", Duration::from_secs(60), || markers(r).len() >= 2);
+        wait_for("clone ticks", Duration::from_secs(60), || {
+            markers(r).len() >= 2
+        });
     }
     let a = markers(&reports[0]);
     let b = markers(&reports[1]);
@@ -216,7 +241,9 @@ fn bad_snapshots_are_refused_before_anything_runs() {
         "--report".as_ref(),
         r1.as_os_str(),
     ]);
-    wait_for("a tick", Duration::from_secs(60), || !markers(&r1).is_empty());
+    wait_for("a tick", Duration::from_secs(60), || {
+        !markers(&r1).is_empty()
+    });
     let reply = call(
         &sock,
         &Request::Snapshot {
@@ -270,7 +297,11 @@ fn bad_snapshots_are_refused_before_anything_runs() {
     let e = restore_err(&variant("memsize", &state, Some(1 << 20)));
     assert!(e.contains("memory"), "{e}");
     // A different CPU profile than the one the snapshot was taken with.
-    let other = if ember_vmm::HostKvm::detect() == ember_vmm::HostKvm::Pvm { "host" } else { "baseline" };
+    let other = if ember_vmm::HostKvm::detect() == ember_vmm::HostKvm::Pvm {
+        "host"
+    } else {
+        "baseline"
+    };
     let out = Command::new(vmm())
         .arg("--restore")
         .arg(&snap)

@@ -70,8 +70,10 @@ impl Interrupt {
 
     /// Restores pending causes saved in a snapshot (without raising the line).
     pub fn restore_status(&self, causes: u32) {
-        self.status
-            .fetch_or(causes & (interrupt_cause::VRING | interrupt_cause::CONFIG), Ordering::SeqCst);
+        self.status.fetch_or(
+            causes & (interrupt_cause::VRING | interrupt_cause::CONFIG),
+            Ordering::SeqCst,
+        );
     }
 
     /// Drops every pending cause (device reset).

@@ -278,7 +278,10 @@ mod tests {
         assert_eq!({ p.hdr.cmd_line_ptr }, CMDLINE_START as u32);
         assert_eq!(p.e820_entries, 3);
         let last = p.e820_table[2];
-        assert_eq!(({ last.addr }, { last.size }), (HIMEM_START, (64 << 20) - HIMEM_START));
+        assert_eq!(
+            ({ last.addr }, { last.size }),
+            (HIMEM_START, (64 << 20) - HIMEM_START)
+        );
     }
 
     #[test]

@@ -50,7 +50,10 @@ pub enum MptableError {
 }
 
 fn checksum(bytes: &[u8]) -> u8 {
-    bytes.iter().fold(0u8, |a, b| a.wrapping_add(*b)).wrapping_neg()
+    bytes
+        .iter()
+        .fold(0u8, |a, b| a.wrapping_add(*b))
+        .wrapping_neg()
 }
 
 /// Builds the floating pointer and configuration table for `num_cpus` CPUs, as they are laid
@@ -83,7 +86,16 @@ pub fn build(base: u64, num_cpus: u8) -> Result<Vec<u8>, MptableError> {
     count += 1;
     for irq in 0..IOAPIC_PINS {
         // ISA IRQ n on bus 0 goes to IOAPIC pin n, polarity/trigger as the bus defines.
-        entries.extend_from_slice(&[ENTRY_IO_INTERRUPT, INT_TYPE_INT, 0, 0, 0, irq, ioapic_id, irq]);
+        entries.extend_from_slice(&[
+            ENTRY_IO_INTERRUPT,
+            INT_TYPE_INT,
+            0,
+            0,
+            0,
+            irq,
+            ioapic_id,
+            irq,
+        ]);
         count += 1;
     }
     // LINT0 is the 8259's ExtINT, LINT1 NMI, on every local APIC (0xff).
@@ -117,7 +129,10 @@ pub fn build(base: u64, num_cpus: u8) -> Result<Vec<u8>, MptableError> {
     fp[10] = checksum(&fp);
 
     fp.extend_from_slice(&table);
-    debug_assert!(fp.len() <= EBDA_LEN, "MAX_VCPUS keeps the tables inside the EBDA");
+    debug_assert!(
+        fp.len() <= EBDA_LEN,
+        "MAX_VCPUS keeps the tables inside the EBDA"
+    );
     Ok(fp)
 }
 

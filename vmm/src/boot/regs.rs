@@ -156,15 +156,18 @@ pub fn boot_regs(entry: u64) -> kvm_regs {
 
 /// Sets the boot vCPU's registers for the 64-bit boot protocol.
 pub fn setup_boot_vcpu(vcpu: &VcpuFd, id: u8, entry: u64) -> Result<(), RegsError> {
-    let kvm = |what| move |source| RegsError::Kvm {
-        what,
-        vcpu: id,
-        source,
+    let kvm = |what| {
+        move |source| RegsError::Kvm {
+            what,
+            vcpu: id,
+            source,
+        }
     };
     let sregs = vcpu.get_sregs().map_err(kvm("KVM_GET_SREGS"))?;
     vcpu.set_sregs(&long_mode_sregs(sregs))
         .map_err(kvm("KVM_SET_SREGS"))?;
-    vcpu.set_regs(&boot_regs(entry)).map_err(kvm("KVM_SET_REGS"))?;
+    vcpu.set_regs(&boot_regs(entry))
+        .map_err(kvm("KVM_SET_REGS"))?;
     Ok(())
 }
 
@@ -211,10 +214,12 @@ pub fn boot_msrs(supported: &[u32]) -> Vec<kvm_msr_entry> {
 
 /// FPU, MSR and LAPIC set-up every vCPU needs (boot processor or not).
 pub fn setup_common(vcpu: &VcpuFd, id: u8, supported_msrs: &[u32]) -> Result<(), RegsError> {
-    let kvm = |what| move |source| RegsError::Kvm {
-        what,
-        vcpu: id,
-        source,
+    let kvm = |what| {
+        move |source| RegsError::Kvm {
+            what,
+            vcpu: id,
+            source,
+        }
     };
     let fpu = kvm_fpu {
         fcw: 0x37f,
@@ -268,10 +273,16 @@ mod tests {
     #[test]
     fn gdt_entries_decode_to_the_segments_we_mean() {
         let code = segment_from_gdt(BOOT_GDT[2], 2);
-        assert_eq!((code.selector, code.l, code.db, code.present, code.type_), (0x10, 1, 0, 1, 0xb));
+        assert_eq!(
+            (code.selector, code.l, code.db, code.present, code.type_),
+            (0x10, 1, 0, 1, 0xb)
+        );
         assert_eq!(code.limit, 0xffff_ffff);
         let data = segment_from_gdt(BOOT_GDT[3], 3);
-        assert_eq!((data.selector, data.db, data.s, data.type_), (0x18, 1, 1, 3));
+        assert_eq!(
+            (data.selector, data.db, data.s, data.type_),
+            (0x18, 1, 1, 3)
+        );
         let tss = segment_from_gdt(BOOT_GDT[4], 4);
         assert_eq!((tss.selector, tss.s, tss.type_), (0x20, 0, 0xb));
         // A known encoding: flat 64-bit code segment.
@@ -303,7 +314,9 @@ mod tests {
     fn msrs_are_filtered_to_supported() {
         let m = boot_msrs(&[MSR_LSTAR, MSR_IA32_MISC_ENABLE]);
         assert_eq!(m.len(), 2);
-        assert!(m.iter().any(|e| e.index == MSR_IA32_MISC_ENABLE && e.data == 1));
+        assert!(m
+            .iter()
+            .any(|e| e.index == MSR_IA32_MISC_ENABLE && e.data == 1));
         assert!(boot_msrs(&[]).is_empty());
     }
 }

@@ -26,11 +26,11 @@
 //! # Test hook
 //! With `EMBER_VMM_TEST_FORBIDDEN_SYSCALL=1` (or `main`) in the environment when [`set_mode`]
 //! runs, [`install_configured`] makes a syscall that no list allows right after installing the
-//! main thread's filter; with `vcpu` (or `prefetch`), right after a vCPU (prefetch) thread's. The tests use it to check
-//! that the filters are really in force (the VMM dies by `SIGSYS` in `kill` mode and goes on in
-//! `log` and `off` modes). The syscall is `personality(0xffffffff)`, which only reads the
-//! execution domain, so the variable is harmless in production: without a filter nothing
-//! happens, with one the VMM is killed, which is what setting it asks for.
+//! main thread's filter; with `vcpu` or `prefetch`, right after that thread's. The tests use it
+//! to check that the filters are really in force (the VMM dies by `SIGSYS` in `kill` mode and
+//! goes on in `log` and `off` modes). The syscall is `personality(0xffffffff)`, which only
+//! reads the execution domain, so the variable is harmless in production: without a filter
+//! nothing happens, with one the VMM is killed, which is what setting it asks for.
 //!
 //! # Adding a thread kind
 //! Write `vmm/seccomp/<kind>.json` (one filter named `<kind>`, `kill_process` on mismatch),
@@ -161,7 +161,7 @@ pub fn program(kind: ThreadKind, mode: SeccompMode) -> Result<Option<BpfProgram>
     let Some(raw) = kind.bpf(mode) else {
         return Ok(None);
     };
-    if raw.is_empty() || raw.len() % 8 != 0 {
+    if raw.is_empty() || !raw.chunks_exact(8).remainder().is_empty() {
         return Err(SeccompError::Corrupt {
             kind,
             mode,

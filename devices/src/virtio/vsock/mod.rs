@@ -102,6 +102,8 @@ pub const RX_QUEUE: usize = 0;
 pub const TX_QUEUE: usize = 1;
 /// The event queue.
 pub const EVENT_QUEUE: usize = 2;
+/// Longest wait for the guest to acknowledge a transport reset before rx traffic flows anyway.
+pub const RESET_ACK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 const NUM_QUEUES: usize = 3;
 /// Tx chains handled per wake-up before yielding to other event sources.
 const TX_BUDGET: usize = 2 * QUEUE_SIZE as usize;
@@ -217,6 +219,11 @@ pub struct Vsock {
     broken: bool,
     muxer: Muxer,
     reset_event_pending: bool,
+    /// After a transport reset reached the guest: rx traffic (new host connections) waits
+    /// until the guest refills its event queue — which it does after resetting its sockets —
+    /// or this deadline passes. Without the wait a host connection made right after a restore
+    /// can be torn down by the guest's late reset handling.
+    reset_ack_deadline: Option<Instant>,
     scratch: Vec<u8>,
     notify: [bool; NUM_QUEUES],
 }
@@ -291,6 +298,7 @@ impl Vsock {
             broken: false,
             muxer,
             reset_event_pending: false,
+            reset_ack_deadline: None,
             scratch: Vec::with_capacity(MAX_PKT_PAYLOAD),
             notify: [false; NUM_QUEUES],
             config,
@@ -399,6 +407,12 @@ impl Vsock {
 
     /// Fills rx buffers with whatever waits for the guest.
     fn deliver_rx(&mut self, now: Instant) {
+        if let Some(deadline) = self.reset_ack_deadline {
+            if now < deadline {
+                return;
+            }
+            self.reset_ack_deadline = None;
+        }
         loop {
             if self.broken || self.active.is_none() || !self.muxer.has_rx() {
                 return;
@@ -476,6 +490,8 @@ impl Vsock {
             };
             let used = if written {
                 self.reset_event_pending = false;
+                self.reset_ack_deadline = Some(Instant::now() + RESET_ACK_TIMEOUT);
+                self.muxer.timer_wanted = true;
                 self.muxer.metrics.transport_resets += 1;
                 id.len() as u32
             } else {
@@ -519,7 +535,12 @@ impl Vsock {
     fn on_timer(&mut self, now: Instant) {
         // Non-blocking: a stale readiness report is harmless.
         let _ = self.timer.wait();
-        if !self.muxer.on_tick(now) && self.timer_armed && self.timer.clear().is_ok() {
+        let muxer_wants = self.muxer.on_tick(now);
+        if !muxer_wants
+            && self.reset_ack_deadline.is_none()
+            && self.timer_armed
+            && self.timer.clear().is_ok()
+        {
             self.timer_armed = false;
         }
     }
@@ -663,7 +684,11 @@ impl MutEventSubscriber for Vsock {
         let [rx, tx, ev, kick, timer] = self.own_fds();
         let active = self.active.is_some();
         if fd == rx || fd == ev {
-            // New rx or event buffers: delivered below.
+            // New rx or event buffers: delivered below. An event-queue refill after a transport
+            // reset means the guest has handled it.
+            if fd == ev {
+                self.reset_ack_deadline = None;
+            }
             let _ = self.queue_evts[if fd == rx { RX_QUEUE } else { EVENT_QUEUE }].read();
         } else if fd == tx {
             let _ = self.queue_evts[TX_QUEUE].read();
