@@ -13,5 +13,10 @@ pub mod bus;
 pub mod legacy;
 pub mod virtio;
 
-/// Guest memory as every device sees it.
-pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<()>;
+/// Guest memory as every device sees it. Each region carries a dirty bitmap (one bit per 4 KiB
+/// page) that vm-memory sets on every write made through it — i.e. by device emulation — so
+/// diff snapshots see device writes as well as the guest's own (KVM's dirty log).
+pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<vm_memory::bitmap::AtomicBitmap>;
+
+/// The bitmap slice type of [`GuestMemoryMmap`] (for virtio-queue's `Reader`/`Writer`).
+pub type GuestBitmapSlice<'a> = vm_memory::bitmap::BS<'a, vm_memory::bitmap::AtomicBitmap>;

@@ -175,6 +175,8 @@ struct Guest {
     incoming: Vec<Header>,
     log: Vec<Header>,
     events: Vec<u32>,
+    /// Re-post each consumed event buffer (what the Linux driver does).
+    repost_events: bool,
     pending_tx: VecDeque<(Header, Vec<u8>)>,
     unusable_rx: usize,
 }
@@ -349,6 +351,12 @@ impl Guest {
                 .read_obj(GuestAddress(self.ev.slot(idxs[0])))
                 .unwrap();
             self.events.push(id);
+            // Like Linux: handle the event, then give the buffer back and kick (which tells
+            // the device a transport reset has been handled).
+            if self.repost_events {
+                self.ev.add(&self.mem, &[(None, 4, F_WRITE)]);
+                self.kicks[2].write(1).unwrap();
+            }
         }
         // Credit returns and data within credit.
         let keys: Vec<Key> = self.socks.keys().copied().collect();
@@ -485,6 +493,7 @@ impl Harness {
             incoming: Vec::new(),
             log: Vec::new(),
             events: Vec::new(),
+            repost_events: true,
             pending_tx: VecDeque::new(),
             unusable_rx: 0,
         };
@@ -1243,6 +1252,7 @@ fn transport_reset_drops_everything_and_retargets() {
 #[test]
 fn transport_reset_waits_for_an_event_buffer() {
     let mut h = Harness::new();
+    h.g.repost_events = false;
     // Use up the posted event buffers with resets, then one more with none posted.
     for _ in 0..4 {
         h.dev.lock().unwrap().send_transport_reset();
@@ -1333,4 +1343,25 @@ fn persist_round_trip_resumes_with_a_transport_reset() {
     h.settle();
     assert_eq!(h.g.socks[&key].data, b"after");
     assert_eq!(read_avail(&mut c).0, b"back");
+}
+
+#[test]
+fn host_connections_wait_until_the_guest_has_handled_a_transport_reset() {
+    // Without this, a host connection made right after a restore reaches the guest before the
+    // guest processes the reset, and the guest's reset handling then tears it down.
+    let mut h = Harness::new();
+    h.g.repost_events = false;
+    h.dev.lock().unwrap().send_transport_reset();
+    h.settle();
+    assert_eq!(h.g.events, vec![0]);
+    let _c = h.host_connect(60);
+    h.settle();
+    assert!(
+        !h.g.incoming.iter().any(|r| r.dst_port == 60),
+        "a REQUEST went out before the guest acknowledged the reset"
+    );
+    // The guest hands the event buffer back (what Linux does once it reset its sockets).
+    h.g.post_events(1);
+    h.settle();
+    assert!(h.g.incoming.iter().any(|r| r.dst_port == 60));
 }

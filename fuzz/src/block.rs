@@ -88,11 +88,11 @@ pub fn run(data: &[u8]) {
 }
 
 /// [`run`], returning guest memory afterwards (for tests that check the completions).
-pub fn run_and_return_memory(data: &[u8]) -> vm_memory::GuestMemoryMmap {
+pub fn run_and_return_memory(data: &[u8]) -> ember_devices::GuestMemoryMmap {
     SCRATCH.with(|s| run_in(s, data))
 }
 
-fn run_in(s: &Scratch, data: &[u8]) -> vm_memory::GuestMemoryMmap {
+fn run_in(s: &Scratch, data: &[u8]) -> ember_devices::GuestMemoryMmap {
     use ember_snapshot::Persist;
     let input = FuzzInput::parse(data, &[QUEUE_MAX]);
     let event_idx = input.queues.first().is_some_and(|q| q.event_idx);

@@ -35,11 +35,11 @@ pub fn run(data: &[u8]) {
 }
 
 /// [`run`], returning guest memory afterwards (for tests that check the completions).
-pub fn run_and_return_memory(data: &[u8]) -> vm_memory::GuestMemoryMmap {
+pub fn run_and_return_memory(data: &[u8]) -> ember_devices::GuestMemoryMmap {
     DIR.with(|d| run_in(d.path(), data))
 }
 
-fn run_in(dir: &Path, data: &[u8]) -> vm_memory::GuestMemoryMmap {
+fn run_in(dir: &Path, data: &[u8]) -> ember_devices::GuestMemoryMmap {
     let uds = dir.join("v.sock");
     let port_path = dir.join(format!("v.sock_{HOST_PORT}"));
     let _ = std::fs::remove_file(&port_path);

@@ -15,7 +15,9 @@
 //! 4 GiB        RAM above the gap, if any
 //! ```
 
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_memory::GuestAddress;
+
+use ember_devices::GuestMemoryMmap;
 
 /// Start of the EBDA, where the MP tables live; RAM below it is usable.
 pub const EBDA_START: u64 = 0x9fc00;

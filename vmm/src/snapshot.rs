@@ -10,17 +10,17 @@
 //! cache and copy only the pages they write, and the file is never modified.
 
 use std::fs::File;
+use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ember_devices::legacy::{BootMarker, EventTrigger, Serial, SerialOut, SerialSnapshot};
+use ember_devices::GuestMemoryMmap;
 use ember_snapshot::{MemoryRegionRef, SnapshotWriter, MEMORY_FILE, STATE_FILE};
 use kvm_bindings::{CpuId, KVM_MAX_CPUID_ENTRIES};
+use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::mmap::MmapRegionBuilder;
-use vm_memory::{
-    FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
-    GuestRegionMmap,
-};
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap};
 
 use ember_devices::bus::lock;
 use ember_devices::virtio::block::{Block, BlockState};
@@ -417,16 +417,19 @@ pub fn map_memory(
     let file = Arc::new(file);
     let mut out = Vec::with_capacity(regions.len());
     for r in regions {
-        let mapping = MmapRegionBuilder::new(r.len as usize)
-            .with_file_offset(FileOffset::from_arc(file.clone(), r.file_offset))
-            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
-            .build()
-            .map_err(|e| SnapshotError::Io {
-                what: "cannot map",
-                path: path.clone(),
-                source: std::io::Error::other(e.to_string()),
-            })?;
+        let mapping = MmapRegionBuilder::new_with_bitmap(
+            r.len as usize,
+            AtomicBitmap::new(r.len as usize, NonZeroUsize::MIN.saturating_add(4095)),
+        )
+        .with_file_offset(FileOffset::from_arc(file.clone(), r.file_offset))
+        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+        .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+        .build()
+        .map_err(|e| SnapshotError::Io {
+            what: "cannot map",
+            path: path.clone(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
         let region =
             GuestRegionMmap::new(mapping, GuestAddress(r.guest_phys_addr)).ok_or_else(|| {
                 SnapshotError::Incompatible {

@@ -14,7 +14,9 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
 use ember_snapshot::PageSet;
-use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+
+use ember_devices::GuestMemoryMmap;
 
 /// Name of the working-set file inside a snapshot directory.
 pub const WORKING_SET_FILE: &str = "workingset";

@@ -17,7 +17,9 @@ use linux_loader::configurator::linux::LinuxBootConfigurator;
 use linux_loader::configurator::{BootConfigurator, BootParams};
 use linux_loader::loader::bootparam::boot_params;
 use linux_loader::loader::{BzImage, Elf, KernelLoader};
-use vm_memory::{ByteValued, GuestAddress, GuestMemoryMmap};
+use vm_memory::{ByteValued, GuestAddress};
+
+use ember_devices::GuestMemoryMmap;
 
 use crate::memory::{e820_map, CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, ZERO_PAGE_START};
 

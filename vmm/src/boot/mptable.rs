@@ -2,7 +2,9 @@
 //! CPUs it has and how the I/O APIC is wired. Written into the EBDA, where Linux scans for the
 //! floating pointer structure.
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
+
+use ember_devices::GuestMemoryMmap;
 
 use crate::memory::EBDA_START;
 

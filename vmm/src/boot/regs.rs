@@ -3,7 +3,9 @@
 
 use kvm_bindings::{kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment, kvm_sregs, Msrs};
 use kvm_ioctls::VcpuFd;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
+
+use ember_devices::GuestMemoryMmap;
 
 use crate::memory::ZERO_PAGE_START;
 

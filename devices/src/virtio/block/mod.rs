@@ -566,8 +566,8 @@ impl Request<'_> {
     fn execute(
         &mut self,
         h: RequestHeader,
-        reader: &mut virtio_queue::Reader<'_>,
-        writer: &mut virtio_queue::Writer<'_>,
+        reader: &mut virtio_queue::Reader<'_, crate::GuestBitmapSlice<'_>>,
+        writer: &mut virtio_queue::Writer<'_, crate::GuestBitmapSlice<'_>>,
     ) -> (u8, usize) {
         match h.kind {
             T_IN => {

@@ -66,7 +66,7 @@ pub struct TxFrame<'a> {
     /// The sanitised vnet header.
     pub hdr: [u8; VNET_HDR_LEN],
     /// The frame, as slices of guest memory.
-    pub body: Vec<VolatileSlice<'a, ()>>,
+    pub body: Vec<VolatileSlice<'a, crate::GuestBitmapSlice<'a>>>,
     /// Length of the frame (without the header).
     pub len: usize,
 }
@@ -197,7 +197,7 @@ pub enum Delivery {
 fn rx_writer<'a>(
     mem: &'a GuestMemoryMmap,
     chain: DescriptorChain<&'a GuestMemoryMmap>,
-) -> Result<Writer<'a, ()>, ChainError> {
+) -> Result<Writer<'a, crate::GuestBitmapSlice<'a>>, ChainError> {
     for (i, desc) in chain.clone().enumerate() {
         if i >= MAX_CHAIN_DESCS {
             return Err(ChainError::TooManyDescriptors);
@@ -234,7 +234,7 @@ pub fn deliver_rx(
     }
     let max_parts = if mergeable { usize::from(q.size()) } else { 1 };
     let mut rewind_to = q.next_avail();
-    let mut parts: Vec<(u16, Writer<'_, ()>)> = Vec::new();
+    let mut parts: Vec<(u16, Writer<'_, crate::GuestBitmapSlice<'_>>)> = Vec::new();
     let mut have = 0usize;
     while have < len {
         if parts.len() >= max_parts {

@@ -263,7 +263,7 @@ impl Tap {
     pub fn write_frame(
         &self,
         hdr: &[u8; VNET_HDR_LEN],
-        body: &[VolatileSlice<'_, ()>],
+        body: &[VolatileSlice<'_, crate::GuestBitmapSlice<'_>>],
     ) -> io::Result<usize> {
         if body.len() + 1 > MAX_IOVECS {
             return Err(io::Error::new(
