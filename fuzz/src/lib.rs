@@ -377,7 +377,8 @@ pub mod seeds {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+    use ember_devices::GuestMemoryMmap;
+    use vm_memory::{Bytes, GuestAddress};
 
     type Runner = fn(&[u8]) -> GuestMemoryMmap;
 

@@ -25,7 +25,8 @@
 //! are at [`desc_table`]`(q)`, [`avail_ring`]`(q)`, [`used_ring`]`(q)` (4 KiB apart), for up to
 //! [`MAX_QUEUES`] queues; the payload starts at [`PAYLOAD`].
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use ember_devices::GuestMemoryMmap;
+use vm_memory::{Bytes, GuestAddress};
 
 /// Guest memory size.
 pub const MEM_SIZE: u64 = 0x5_0000;
@@ -223,7 +224,7 @@ impl FuzzInput {
 
     /// Guest memory holding the descriptor tables, the avail rings and the payload.
     pub fn memory(&self) -> GuestMemoryMmap {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)])
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)])
             .expect("fuzz harness: cannot map guest memory");
         for (q, vq) in self.queues.iter().enumerate() {
             for (i, d) in vq.descs.iter().enumerate() {
