@@ -3,7 +3,7 @@
 # guest kernel and the default root filesystem (both cached in $EMBER_CACHE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pkgs=(build-essential flex bison bc libelf-dev libssl-dev linux-source-6.1 xz-utils
+pkgs=(build-essential flex bison bc libelf-dev libssl-dev linux-source-6.1 xz-utils lz4
       mmdebstrap e2fsprogs util-linux python3)
 missing=()
 for p in "${pkgs[@]}"; do
