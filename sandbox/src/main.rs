@@ -54,6 +54,15 @@ enum VmCmd {
     Stats(SockArgs),
     /// Stop a running VM (its VMM exits 0).
     Shutdown(SockArgs),
+    /// Merge a diff snapshot onto its parent into a new full snapshot.
+    MergeSnapshot {
+        /// The diff snapshot.
+        #[arg(long)]
+        diff: PathBuf,
+        /// The new full snapshot directory (must not exist).
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -169,6 +178,9 @@ struct BootArgs {
     /// Serve the VM's control socket here (for `ember vm snapshot/pause/resume`).
     #[arg(long)]
     api_sock: Option<PathBuf>,
+    /// Track dirty pages so that `ember vm snapshot --kind diff` works.
+    #[arg(long)]
+    track_dirty_pages: bool,
     /// Interactive console: your keyboard goes to the guest's serial port; Ctrl-] detaches
     /// (the VM keeps running; stop it with `ember vm shutdown --api-sock`).
     #[arg(long, conflicts_with = "json")]
@@ -405,6 +417,7 @@ fn vm_boot(a: BootArgs) -> ExitCode {
     });
     cfg.mem_mib = a.guest.mem_mib;
     cfg.vcpus = a.guest.vcpus;
+    cfg.track_dirty_pages = a.track_dirty_pages;
     cfg.cpu_profile = a.guest.cpu_profile;
     if a.verbose_guest {
         cfg.cmdline = Some(ember_vmm::vm::DEFAULT_CMDLINE.replace(" quiet", ""));
@@ -733,6 +746,18 @@ fn main() -> ExitCode {
         Cmd::Vm(VmCmd::Resume(a)) => vm_control(&a.api_sock, ember_vmm::api::Request::Resume),
         Cmd::Vm(VmCmd::Stats(a)) => vm_control(&a.api_sock, ember_vmm::api::Request::Stats),
         Cmd::Vm(VmCmd::Shutdown(a)) => vm_control(&a.api_sock, ember_vmm::api::Request::Shutdown),
+        Cmd::Vm(VmCmd::MergeSnapshot { diff, out }) => {
+            match ember_vmm::snapshot::merge_snapshot(&diff, &out) {
+                Ok(info) => {
+                    println!(
+                        "{}",
+                        serde_json::json!({ "ok": true, "out": out, "info": info })
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => err(e),
+            }
+        }
         Cmd::Bench(BenchCmd::Boot(a)) => bench_boot(a),
         Cmd::Bench(BenchCmd::Restore(a)) => bench_restore(a),
         Cmd::Images { template } => {

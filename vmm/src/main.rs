@@ -41,6 +41,13 @@ struct Args {
     /// For overlay disks this is the clone's own overlay, a copy of the snapshot-time one.
     #[arg(long = "disk-path", requires = "restore")]
     disk_paths: Vec<String>,
+    /// Track dirty pages so that diff snapshots can be taken (also with --restore).
+    #[arg(long)]
+    track_dirty_pages: bool,
+    /// Merge the diff snapshot DIFF_DIR onto its parent into a new full snapshot OUT_DIR,
+    /// then exit (runs no VM).
+    #[arg(long, num_args = 2, value_names = ["DIFF_DIR", "OUT_DIR"], conflicts_with_all = ["restore", "kernel", "config"])]
+    merge_snapshot: Vec<PathBuf>,
     /// Do not pass `root=/dev/vda` for the first disk.
     #[arg(long)]
     no_root: bool,
@@ -220,6 +227,9 @@ fn config(args: &Args) -> Result<VmConfig, String> {
     if let Some(v) = &args.vsock {
         c.vsock = Some(v.clone());
     }
+    if args.track_dirty_pages {
+        c.track_dirty_pages = true;
+    }
     if let Some(m) = args.mem_mib {
         c.mem_mib = m;
     }
@@ -251,6 +261,18 @@ fn main() -> ExitCode {
         eprintln!("ember-vmm: error: {msg}");
         ExitCode::from(1)
     };
+    if let [diff, out] = args.merge_snapshot.as_slice() {
+        return match ember_vmm::snapshot::merge_snapshot(diff, out) {
+            Ok(info) => {
+                println!(
+                    "{}",
+                    serde_json::json!({ "ok": true, "out": out, "info": info })
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(e.to_string()),
+        };
+    }
     let reporter = match &args.report {
         Some(p) => match Reporter::to_file(p) {
             Ok(r) => r,
@@ -270,6 +292,7 @@ fn main() -> ExitCode {
         Some(dir) => {
             let opts = ember_vmm::snapshot::RestoreOptions {
                 cpu_profile: args.cpu_profile,
+                track_dirty_pages: args.track_dirty_pages,
                 prefetch: args.prefetch,
                 vsock_uds: args.vsock_uds.clone(),
                 net_taps: args.taps.clone(),

@@ -118,6 +118,44 @@ pub struct VmState {
     pub virtio: Vec<VirtioDeviceState>,
     /// Capabilities the state was saved with.
     pub caps: StateCaps,
+    /// Set for a diff snapshot: `memory` holds only these pages; the rest is the parent's.
+    pub memory_diff: Option<MemoryDiff>,
+}
+
+/// What a diff snapshot's memory file holds.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct MemoryDiff {
+    /// The snapshot this one is relative to (a full snapshot, or another diff).
+    pub parent: PathBuf,
+    /// Pages written since the parent (memory-file page indices).
+    pub pages: ember_snapshot::PageSet,
+}
+
+/// Pages written since the last call (KVM's dirty log for the guest's writes, the memory
+/// bitmap for the VMM's own), as memory-file page indices; both logs are reset.
+pub fn take_dirty_pages(vm: &Vm) -> Result<ember_snapshot::PageSet, SnapshotError> {
+    let total: u64 = vm.memory.iter().map(|r| r.len()).sum();
+    let mut pages = ember_snapshot::PageSet::new(total);
+    let mut first = 0u64;
+    for (slot, region) in vm.memory.iter().enumerate() {
+        let kvm_log = vm
+            .vm_fd
+            .get_dirty_log(slot as u32, region.len() as usize)
+            .map_err(|source| vstate::StateError::Kvm {
+                what: "KVM_GET_DIRTY_LOG",
+                vcpu: None,
+                source,
+            })?;
+        pages
+            .insert_bitmap(first, &kvm_log)
+            .map_err(|e| SnapshotError::Unsupported(e.to_string()))?;
+        let vmm_log = region.get_mmap().bitmap().get_and_reset();
+        pages
+            .insert_bitmap(first, &vmm_log)
+            .map_err(|e| SnapshotError::Unsupported(e.to_string()))?;
+        first += region.len() / 4096;
+    }
+    Ok(pages)
 }
 
 /// A virtio device's device-specific state.
@@ -144,6 +182,65 @@ pub struct VirtioDeviceState {
     pub transport_queues: Vec<QueueSnapshot>,
     /// The device.
     pub device: DeviceState,
+}
+
+/// Turns the diff snapshot in `diff` into a full snapshot in `out`: the parent's memory with
+/// the diff's pages on top, the diff's state and disk copies. Neither input is modified.
+pub fn merge_snapshot(diff: &Path, out: &Path) -> Result<SnapshotInfo, SnapshotError> {
+    let mut state: VmState = ember_snapshot::read_state(diff.join(STATE_FILE))?;
+    let Some(d) = state.memory_diff.take() else {
+        return Err(SnapshotError::Incompatible {
+            dir: diff.to_path_buf(),
+            reason: "is a full snapshot already; nothing to merge".into(),
+        });
+    };
+    let parent_state: VmState = ember_snapshot::read_state(d.parent.join(STATE_FILE))?;
+    if parent_state.memory_diff.is_some() {
+        return Err(SnapshotError::Incompatible {
+            dir: d.parent.clone(),
+            reason: "the parent is itself a diff snapshot: merge it first".into(),
+        });
+    }
+    let total: u64 = state.memory.iter().map(|r| r.len).sum();
+    let parent_total: u64 = parent_state.memory.iter().map(|r| r.len).sum();
+    if total != parent_total || d.pages.len_pages() != ember_snapshot::pages_for(total) {
+        return Err(SnapshotError::Incompatible {
+            dir: diff.to_path_buf(),
+            reason: format!("memory size {total} does not match the parent's {parent_total}"),
+        });
+    }
+    ember_snapshot::check_memory_file(d.parent.join(MEMORY_FILE), total)?;
+    ember_snapshot::check_memory_file(diff.join(MEMORY_FILE), total)?;
+    let writer = SnapshotWriter::create(out)?;
+    let mem = writer.path(MEMORY_FILE)?;
+    sparse_copy(&d.parent.join(MEMORY_FILE), &mem)?;
+    let stats = ember_snapshot::merge_diff(&mem, diff.join(MEMORY_FILE), &d.pages)?;
+    for entry in std::fs::read_dir(diff).map_err(|source| SnapshotError::Io {
+        what: "cannot list",
+        path: diff.to_path_buf(),
+        source,
+    })? {
+        let name = entry
+            .map_err(|source| SnapshotError::Io {
+                what: "cannot list",
+                path: diff.to_path_buf(),
+                source,
+            })?
+            .file_name();
+        let name = name.to_string_lossy();
+        if name.ends_with(".overlay") {
+            sparse_copy(&diff.join(&*name), &writer.path(&name)?)?;
+        }
+    }
+    let state_path = writer.path(STATE_FILE)?;
+    ember_snapshot::write_state(&state_path, &state)?;
+    let state_bytes = std::fs::metadata(&state_path).map(|m| m.len()).unwrap_or(0);
+    writer.commit()?;
+    Ok(SnapshotInfo {
+        memory_bytes_written: stats.bytes_written,
+        memory_file_len: total,
+        state_bytes,
+    })
 }
 
 /// Name of the copy of disk `i`'s overlay inside a snapshot directory.
@@ -233,11 +330,23 @@ pub fn write_snapshot(
     dir: &Path,
     kind: crate::api::SnapshotKind,
 ) -> Result<SnapshotInfo, SnapshotError> {
-    if kind == crate::api::SnapshotKind::Diff {
-        return Err(SnapshotError::Unsupported(
-            "diff snapshots are not implemented yet; take a full snapshot".into(),
-        ));
-    }
+    let diff_parent = match kind {
+        crate::api::SnapshotKind::Full => None,
+        crate::api::SnapshotKind::Diff => {
+            if !vm.config.track_dirty_pages {
+                return Err(SnapshotError::Unsupported(
+                    "diff snapshots need dirty-page tracking from the start (--track-dirty-pages)"
+                        .into(),
+                ));
+            }
+            Some(vm.diff_parent.clone().ok_or_else(|| {
+                SnapshotError::Unsupported(
+                    "no earlier snapshot of this VM to diff against: take a full snapshot first"
+                        .into(),
+                )
+            })?)
+        }
+    };
     if vcpu_states.len() != usize::from(vm.vcpu_count) {
         return Err(SnapshotError::Unsupported(format!(
             "{} of {} vCPU states captured",
@@ -260,7 +369,23 @@ pub fn write_snapshot(
         refs.push(MemoryRegionRef::new(*gpa, off, bytes));
         off += bytes.len() as u64;
     }
-    let stats = ember_snapshot::write_full(writer.path(MEMORY_FILE)?, &refs)?;
+    // With tracking on, every snapshot restarts the dirty logs (the next diff is relative to
+    // this snapshot).
+    let dirty = if vm.config.track_dirty_pages {
+        Some(take_dirty_pages(vm)?)
+    } else {
+        None
+    };
+    let (stats, memory_diff) = match (diff_parent, dirty) {
+        (Some(parent), Some(pages)) => (
+            ember_snapshot::write_diff_regions(writer.path(MEMORY_FILE)?, &refs, &pages)?,
+            Some(MemoryDiff { parent, pages }),
+        ),
+        _ => (
+            ember_snapshot::write_full(writer.path(MEMORY_FILE)?, &refs)?,
+            None,
+        ),
+    };
     let serial = vm
         .devices
         .serial
@@ -322,6 +447,7 @@ pub fn write_snapshot(
             .collect::<Result<Vec<VcpuState>, _>>()?,
         serial,
         caps: vm.caps,
+        memory_diff,
     };
     let state_path = writer.path(STATE_FILE)?;
     ember_snapshot::write_state(&state_path, &state)?;
@@ -339,6 +465,8 @@ pub fn write_snapshot(
 pub struct RestoreOptions {
     /// Must match the snapshot's profile when given.
     pub cpu_profile: Option<CpuProfile>,
+    /// Track dirty pages in the restored VM (for diff snapshots relative to this one).
+    pub track_dirty_pages: bool,
     /// What to do with a recorded working set.
     pub prefetch: crate::workingset::Prefetch,
     /// A new host socket for the vsock device (clones must not share one).
@@ -360,6 +488,15 @@ pub fn load_state(dir: &Path, opts: &RestoreOptions) -> Result<VmState, Snapshot
         return Err(incompatible("not a directory".into()));
     }
     let state: VmState = ember_snapshot::read_state(dir.join(STATE_FILE))?;
+    if let Some(d) = &state.memory_diff {
+        return Err(incompatible(format!(
+            "is a diff snapshot of {} ({} pages): merge it onto its parent first \
+             (`ember vm merge-snapshot --diff {} --out NEW_DIR`)",
+            d.parent.display(),
+            d.pages.count(),
+            dir.display()
+        )));
+    }
     let host = HostKvm::detect();
     if state.host != host {
         return Err(incompatible(format!(
@@ -476,7 +613,7 @@ impl Vm {
             tracing::debug!("KVM_SET_TSS_ADDR: {e} (not needed on this host)");
         }
         steps.mark("create_vm");
-        crate::vm::register_memory(&vm_fd, &mem).map_err(build)?;
+        crate::vm::register_memory(&vm_fd, &mem, opts.track_dirty_pages).map_err(build)?;
         steps.mark("memory_slots");
         crate::vm::create_irqchip_and_pit(&vm_fd).map_err(build)?;
         steps.mark("irqchip_and_pit");
@@ -541,6 +678,7 @@ impl Vm {
         let mut events = events;
         let mut config = state.config;
         apply_overrides(&mut config, opts);
+        config.track_dirty_pages = opts.track_dirty_pages;
         let (mut disk_i, mut net_i) = (0usize, 0usize);
         for v in state.virtio {
             let irq_evt = EventTrigger::new().map_err(|source| {
@@ -694,7 +832,7 @@ impl Vm {
         }
         steps.mark("vcpus");
         steps.report(&reporter);
-        Vm::assemble(crate::vm::Parts {
+        let mut vm = Vm::assemble(crate::vm::Parts {
             vm_fd,
             memory: mem,
             devices,
@@ -709,7 +847,11 @@ impl Vm {
             config,
             caps: state.caps,
         })
-        .map_err(build)
+        .map_err(build)?;
+        if vm.config.track_dirty_pages {
+            vm.diff_parent = Some(dir.to_path_buf());
+        }
+        Ok(vm)
     }
 }
 

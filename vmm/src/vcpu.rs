@@ -101,6 +101,9 @@ pub struct VcpuControl {
 struct Parked {
     paused: bool,
     saved: Option<Result<VcpuState, String>>,
+    /// Bumped by every resume: a parked vCPU leaves its wait when this changes, even if a new
+    /// pause request has already been made (it then parks again, with fresh state).
+    epoch: u64,
 }
 
 thread_local! {
@@ -192,6 +195,7 @@ impl VcpuHandle {
         self.control.pause.store(false, Ordering::SeqCst);
         parked.paused = false;
         parked.saved = None;
+        parked.epoch = parked.epoch.wrapping_add(1);
         drop(parked);
         self.control.cv.notify_all();
     }
@@ -294,12 +298,13 @@ impl Vcpu {
         let mut parked = lock(&control.parked);
         parked.saved = Some(saved);
         parked.paused = true;
+        let epoch = parked.epoch;
         control.cv.notify_all();
-        while control.pause.load(Ordering::SeqCst) && !control.stop.load(Ordering::SeqCst) {
+        // Until a resume (the epoch changes) or a stop. If a new pause request is already
+        // waiting, the run loop parks again right away with fresh state.
+        while parked.epoch == epoch && !control.stop.load(Ordering::SeqCst) {
             parked = control.cv.wait(parked).unwrap_or_else(|p| p.into_inner());
         }
-        parked.paused = false;
-        parked.saved = None;
     }
 
     /// One `KVM_RUN`; `Some` when the vCPU must stop.

@@ -65,6 +65,11 @@ pub struct VmConfig {
     /// The vsock device (host side: a Unix socket).
     #[serde(default)]
     pub vsock: Option<VsockConfig>,
+    /// Log dirty pages (KVM dirty log + the device-write bitmap) so that diff snapshots can
+    /// be taken. Costs a write-protection fault on the first guest write to each page after
+    /// every snapshot.
+    #[serde(default)]
+    pub track_dirty_pages: bool,
 }
 
 fn yes() -> bool {
@@ -91,6 +96,7 @@ impl VmConfig {
             cpu_profile: None,
             net: Vec::new(),
             vsock: None,
+            track_dirty_pages: false,
         }
     }
 }
@@ -235,6 +241,9 @@ pub struct Vm {
     pub config: VmConfig,
     /// KVM state capabilities (what a snapshot of this VM holds).
     pub caps: crate::vstate::StateCaps,
+    /// The snapshot the next diff snapshot is relative to (the last one taken of this VM, or
+    /// the one it was restored from).
+    pub diff_parent: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for Vm {
@@ -314,12 +323,16 @@ pub fn open_kvm() -> Result<Kvm, VmError> {
     Ok(kvm)
 }
 
-/// Registers every region of `mem` as a KVM memory slot.
-pub fn register_memory(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<(), VmError> {
+/// Registers every region of `mem` as a KVM memory slot (with dirty logging when asked).
+pub fn register_memory(vm: &VmFd, mem: &GuestMemoryMmap, log_dirty: bool) -> Result<(), VmError> {
     for (slot, region) in mem.iter().enumerate() {
         let r = kvm_userspace_memory_region {
             slot: slot as u32,
-            flags: 0,
+            flags: if log_dirty {
+                kvm_bindings::KVM_MEM_LOG_DIRTY_PAGES
+            } else {
+                0
+            },
             guest_phys_addr: region.start_addr().0,
             memory_size: region.len(),
             userspace_addr: mem
@@ -424,7 +437,7 @@ impl Vm {
         if let Err(e) = vm_fd.set_tss_address(0xfffb_d000) {
             tracing::debug!("KVM_SET_TSS_ADDR: {e} (not needed on this host)");
         }
-        register_memory(&vm_fd, &mem)?;
+        register_memory(&vm_fd, &mem, config.track_dirty_pages)?;
         create_irqchip_and_pit(&vm_fd)?;
 
         let kernel = boot::load_kernel(&mem, &config.kernel)?;
@@ -567,6 +580,7 @@ impl Vm {
             started: start.instant,
             config,
             caps,
+            diff_parent: None,
         })
     }
 
@@ -722,6 +736,9 @@ impl Vm {
                 let t = std::time::Instant::now();
                 let states = control.paused.as_deref().unwrap_or_default();
                 let result = crate::snapshot::write_snapshot(self, states, &dir, kind);
+                if result.is_ok() && self.config.track_dirty_pages {
+                    self.diff_parent = Some(dir.clone());
+                }
                 let ms = t.elapsed().as_secs_f64() * 1e3;
                 match after {
                     AfterSnapshot::Exit if result.is_ok() => {

@@ -793,6 +793,7 @@ mod ioctls {
     ioctl_iowr_nr!(KVM_GET_IRQCHIP, KVMIO, 0x62, kvm_irqchip);
     ioctl_ior_nr!(KVM_GET_PIT2, KVMIO, 0x9f, kvm_pit_state2);
     ioctl_ior_nr!(KVM_GET_CLOCK, KVMIO, 0x7c, kvm_clock_data);
+    ioctl_iow_nr!(KVM_GET_DIRTY_LOG, KVMIO, 0x42, kvm_dirty_log);
 }
 
 /// The value of a constant named in a rule's comment. (The casts are needed where libc's
@@ -814,6 +815,7 @@ fn constant(name: &str) -> Option<u64> {
         "KVM_GET_IRQCHIP" => KVM_GET_IRQCHIP(),
         "KVM_GET_PIT2" => KVM_GET_PIT2(),
         "KVM_GET_CLOCK" => KVM_GET_CLOCK(),
+        "KVM_GET_DIRTY_LOG" => KVM_GET_DIRTY_LOG(),
         "FIONBIO" => libc::FIONBIO as u64,
         "TUNSETOFFLOAD" => libc::TUNSETOFFLOAD as u64,
         "F_GETFD" => libc::F_GETFD as u64,

@@ -315,3 +315,133 @@ fn bad_snapshots_are_refused_before_anything_runs() {
     let e = restore_err(&dir.path().join("nope"));
     assert!(e.contains("not a directory"), "{e}");
 }
+
+#[test]
+fn diff_snapshot_holds_only_new_writes_and_merges_onto_its_parent() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = dir.path().join("counter.elf");
+    std::fs::write(&kernel, elf_with_code(COUNTER)).unwrap();
+    let sock = dir.path().join("api.sock");
+    let r1 = dir.path().join("r1.jsonl");
+    let (full, diff, merged) = (
+        dir.path().join("full"),
+        dir.path().join("diff"),
+        dir.path().join("merged"),
+    );
+    let mut vm = spawn(&[
+        "--kernel".as_ref(),
+        kernel.as_os_str(),
+        "--mem-mib".as_ref(),
+        "64".as_ref(),
+        "--track-dirty-pages".as_ref(),
+        "--api-sock".as_ref(),
+        sock.as_os_str(),
+        "--report".as_ref(),
+        r1.as_os_str(),
+    ]);
+    wait_for("a tick", Duration::from_secs(60), || {
+        !markers(&r1).is_empty()
+    });
+    // A diff before any full snapshot has nothing to be relative to.
+    let reply = call(
+        &sock,
+        &Request::Snapshot {
+            dir: diff.clone(),
+            kind: SnapshotKind::Diff,
+            after: AfterSnapshot::Continue,
+        },
+    )
+    .unwrap();
+    assert_eq!(reply["ok"], false);
+    assert!(
+        reply["error"]
+            .as_str()
+            .unwrap()
+            .contains("full snapshot first"),
+        "{reply}"
+    );
+    let reply = call(
+        &sock,
+        &Request::Snapshot {
+            dir: full.clone(),
+            kind: SnapshotKind::Full,
+            after: AfterSnapshot::Continue,
+        },
+    )
+    .unwrap();
+    assert_eq!(reply["ok"], true, "{reply}");
+    let n = markers(&r1).len();
+    wait_for(
+        "ticks after the full snapshot",
+        Duration::from_secs(60),
+        || markers(&r1).len() >= n + 2,
+    );
+    let reply = call(
+        &sock,
+        &Request::Snapshot {
+            dir: diff.clone(),
+            kind: SnapshotKind::Diff,
+            after: AfterSnapshot::Exit,
+        },
+    )
+    .unwrap();
+    assert_eq!(reply["ok"], true, "{reply}");
+    assert!(vm.0.wait().unwrap().success());
+    let last = *markers(&r1).last().unwrap();
+
+    // The diff holds a handful of pages (the counter, the stack), not the guest's memory.
+    let written = reply["info"]["memory_bytes_written"].as_u64().unwrap();
+    assert!(
+        written > 0 && written <= 64 * 4096,
+        "diff wrote {written} bytes"
+    );
+    let blocks = std::fs::metadata(diff.join("memory")).unwrap().blocks() * 512;
+    assert!(
+        blocks <= 1 << 20,
+        "diff memory file allocates {blocks} bytes"
+    );
+
+    // A diff cannot be restored on its own...
+    let out = Command::new(vmm())
+        .arg("--restore")
+        .arg(&diff)
+        .args(["--serial", "none"])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{e}");
+    assert!(e.contains("diff snapshot") && e.contains("merge"), "{e}");
+    // ...but merged onto its parent it restores where the diff was taken.
+    let out = Command::new(vmm())
+        .arg("--merge-snapshot")
+        .arg(&diff)
+        .arg(&merged)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r2 = dir.path().join("r2.jsonl");
+    let _clone = spawn(&[
+        "--restore".as_ref(),
+        merged.as_os_str(),
+        "--report".as_ref(),
+        r2.as_os_str(),
+    ]);
+    wait_for(
+        "ticks after restoring the merge",
+        Duration::from_secs(60),
+        || !markers(&r2).is_empty(),
+    );
+    assert_eq!(markers(&r2)[0], (last + 1) % 256);
+    // Parent and diff are untouched by the merge.
+    let full_counter = std::fs::read(full.join("memory")).unwrap()[0x300000];
+    assert_ne!(
+        u64::from(full_counter),
+        last,
+        "the parent kept its own (older) counter"
+    );
+}
