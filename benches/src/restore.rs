@@ -160,7 +160,42 @@ impl RestoreBench {
             return Err(format!("snapshot failed: {reply}"));
         }
         let _ = vm.0.wait();
+        if self.prefetch != "off" {
+            self.record_working_set(&snap)?;
+        }
         Ok(snap)
+    }
+
+    /// Restores the snapshot once, lets the guest answer a ping, and records the pages it
+    /// touched as the snapshot's working set (what later restores prefetch).
+    pub fn record_working_set(&self, snap: &Path) -> Result<(), String> {
+        let d = self.workdir.join("ember");
+        let uds = d.join("ws.vsock");
+        let api = d.join("ws.api");
+        let child = Command::new(&self.ember_vmm)
+            .arg("--restore")
+            .arg(snap)
+            .arg("--vsock-uds")
+            .arg(&uds)
+            .arg("--api-sock")
+            .arg(&api)
+            .args(["--serial", "none", "--prefetch", "off"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("cannot start ember-vmm: {e}"))?;
+        let _vm = Killer(child);
+        ping_until_answered(&uds, Duration::from_secs(60))?;
+        let reply = ember_vmm::api::call(
+            &api,
+            &ember_vmm::api::Request::RecordWorkingSet {
+                dir: snap.to_path_buf(),
+            },
+        )?;
+        if reply["ok"] != true {
+            return Err(format!("recording the working set failed: {reply}"));
+        }
+        Ok(())
     }
 
     /// One ember restore: (spawn → vCPU running, spawn → ping answered), in ms.
