@@ -156,3 +156,40 @@ fn serial_console_input_reaches_the_guest() {
     );
     assert!(console.contains("GOT:[hello ember]"), "{console}");
 }
+
+#[test]
+fn a_jailed_vm_boots_as_an_unprivileged_user_and_leaves_nothing_behind() {
+    let base = tempfile::tempdir().unwrap();
+    let (j, console, out) = boot_json(&[
+        "--jail",
+        "--jail-uid",
+        "10123",
+        "--jail-gid",
+        "10123",
+        "--jail-base",
+        base.path().to_str().unwrap(),
+        "--jail-pids-max",
+        "64",
+        "--run",
+        "echo JAILED-GUEST-OK",
+    ]);
+    assert!(out.status.success(), "{console}\n{j}");
+    assert!(console.contains("JAILED-GUEST-OK"), "{console}");
+    assert_eq!(j["vmm_uid"], 10123, "the VMM ran as the jail's uid: {j}");
+    assert!(j["boot_marker_ms"].as_f64().is_some());
+    // Clean-up removed the jail and its cgroup.
+    let left: Vec<_> = std::fs::read_dir(base.path()).unwrap().collect();
+    assert!(left.is_empty(), "jail dirs left behind: {left:?}");
+    let jail_id = console
+        .lines()
+        .find_map(|l| l.strip_prefix("ember: jailed as "))
+        .and_then(|l| l.split_whitespace().next())
+        .expect("jail id line")
+        .to_string();
+    for ctrl in ["pids", "memory", "cpu"] {
+        let p = std::path::Path::new("/sys/fs/cgroup").join(ctrl).join("ember").join(&jail_id);
+        assert!(!p.exists(), "{} left behind", p.display());
+    }
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(&jail_id), "a mount of the jail is left");
+}

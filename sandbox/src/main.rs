@@ -530,6 +530,7 @@ fn report_outcome(
                 "host_kvm": built["host_kvm"],
                 "restored": built["restored"],
                 "vcpu_first_run_ms": out.ms_to("vcpu_first_run"),
+                "vmm_uid": out.event("start").map(|e| e["uid"].clone()),
         });
         if let (Some(o), Some(e)) = (obj.as_object_mut(), extra.as_object()) {
             o.extend(e.clone());

@@ -280,9 +280,11 @@ fn main() -> ExitCode {
         },
         None => Reporter::default(),
     };
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
     reporter.event(
         "start",
-        serde_json::json!({ "mono_ns": start.mono_ns, "pid": std::process::id() }),
+        serde_json::json!({ "mono_ns": start.mono_ns, "pid": std::process::id(), "uid": uid }),
     );
     let out = match serial_out(&args.serial) {
         Ok(o) => o,

@@ -778,7 +778,7 @@ fn main_filter_allows_snapshots_sockets_and_kicks_but_refuses_the_rest() {
 
 mod ioctls {
     use kvm_bindings::*;
-    use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr, ioctl_iowr_nr};
+    use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr, ioctl_iow_nr, ioctl_iowr_nr};
     const KVMIO: std::os::raw::c_uint = 0xAE;
     ioctl_io_nr!(KVM_RUN, KVMIO, 0x80);
     ioctl_ior_nr!(KVM_GET_REGS, KVMIO, 0x81, kvm_regs);
