@@ -187,7 +187,10 @@ fn a_jailed_vm_boots_as_an_unprivileged_user_and_leaves_nothing_behind() {
         .expect("jail id line")
         .to_string();
     for ctrl in ["pids", "memory", "cpu"] {
-        let p = std::path::Path::new("/sys/fs/cgroup").join(ctrl).join("ember").join(&jail_id);
+        let p = std::path::Path::new("/sys/fs/cgroup")
+            .join(ctrl)
+            .join("ember")
+            .join(&jail_id);
         assert!(!p.exists(), "{} left behind", p.display());
     }
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();

@@ -5,5 +5,6 @@
 //! absolute times on one host say little about another; ratios and counts carry over.
 
 pub mod boot;
+pub mod clones;
 pub mod restore;
 pub mod stats;

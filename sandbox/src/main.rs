@@ -111,6 +111,20 @@ enum BenchCmd {
     Boot(BenchBootArgs),
     /// Restore from a snapshot: spawn → vCPU running, spawn → agent ping answered.
     Restore(BenchRestoreArgs),
+    /// Host memory of N idle clones of one snapshot (PSS sum, private per clone, VMM overhead).
+    Clones(BenchClonesArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchClonesArgs {
+    #[command(flatten)]
+    guest: GuestArgs,
+    /// Clones to run at once.
+    #[arg(long, default_value_t = 100)]
+    n: usize,
+    /// JSON only.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -684,6 +698,76 @@ fn bench_restore(a: BenchRestoreArgs) -> ExitCode {
     }
 }
 
+fn bench_clones(a: BenchClonesArgs) -> ExitCode {
+    let (kernel, rootfs) = match resolve_images(&a.guest) {
+        Ok(x) => x,
+        Err(e) => return err(e),
+    };
+    let vmm = match find_vmm_binary() {
+        Ok(b) => b,
+        Err(e) => return err(e),
+    };
+    let work = match tempfile::Builder::new().prefix("ember-bench-").tempdir() {
+        Ok(d) => d,
+        Err(e) => return err(format!("cannot create a work directory: {e}")),
+    };
+    let bench = ember_benches::restore::RestoreBench {
+        kernel,
+        rootfs,
+        mem_mib: a.guest.mem_mib,
+        n: 0,
+        profile: a
+            .guest
+            .cpu_profile
+            .unwrap_or_else(|| ember_vmm::HostKvm::detect().default_profile()),
+        ember_vmm: vmm.clone(),
+        firecracker: None,
+        workdir: work.path().to_path_buf(),
+        prefetch: "off".into(),
+    };
+    if !a.json {
+        eprintln!("ember: booting the template guest and taking its snapshot");
+    }
+    let snap = match bench.prepare_ember() {
+        Ok(s) => s,
+        Err(e) => return err(e),
+    };
+    let json = a.json;
+    let r = ember_benches::clones::measure_clones(
+        &vmm,
+        &snap,
+        work.path(),
+        a.n,
+        a.guest.mem_mib,
+        |i| {
+            if !json && (i % 10 == 0 || i == a.n) {
+                eprintln!("  {i} clones running");
+            }
+        },
+    );
+    match r {
+        Ok((res, _)) => {
+            if json {
+                println!("{}", serde_json::to_string(&res).unwrap_or_default());
+            } else {
+                println!(
+                    "{} clones of a {} MiB guest: total PSS {:.1} MiB ({:.2} MiB per clone); \
+                     per clone: private {:.2} MiB, guest-memory PSS {:.2} MiB, VMM overhead {:.2} MiB",
+                    res.clones,
+                    res.mem_mib,
+                    res.total_pss_mib,
+                    res.total_pss_mib / res.clones as f64,
+                    res.per_clone_private_mib_median,
+                    res.guest_pss_mib_median,
+                    res.vmm_overhead_mib_median
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => err(e),
+    }
+}
+
 fn bench_boot(a: BenchBootArgs) -> ExitCode {
     let (kernel, rootfs) = match resolve_images(&a.guest) {
         Ok(x) => x,
@@ -761,6 +845,7 @@ fn main() -> ExitCode {
         }
         Cmd::Bench(BenchCmd::Boot(a)) => bench_boot(a),
         Cmd::Bench(BenchCmd::Restore(a)) => bench_restore(a),
+        Cmd::Bench(BenchCmd::Clones(a)) => bench_clones(a),
         Cmd::Images { template } => {
             let k = images::default_kernel();
             let r = images::default_rootfs(&template);
