@@ -195,6 +195,16 @@ struct BootArgs {
     /// Track dirty pages so that `ember vm snapshot --kind diff` works.
     #[arg(long)]
     track_dirty_pages: bool,
+    /// An extra disk: `path=..,mode=ro|rw|overlay[,base=..][,id=..]` (repeatable; the rootfs is
+    /// /dev/vda, these follow as vdb, vdc, …).
+    #[arg(long = "disk")]
+    disks: Vec<String>,
+    /// A network interface on an existing TAP: `tap=NAME[,mac=..]` (repeatable).
+    #[arg(long = "net")]
+    nets: Vec<String>,
+    /// A vsock device: `cid=N,uds=PATH`.
+    #[arg(long)]
+    vsock: Option<String>,
     /// Interactive console: your keyboard goes to the guest's serial port; Ctrl-] detaches
     /// (the VM keeps running; stop it with `ember vm shutdown --api-sock`).
     #[arg(long, conflicts_with = "json")]
@@ -432,6 +442,24 @@ fn vm_boot(a: BootArgs) -> ExitCode {
     cfg.mem_mib = a.guest.mem_mib;
     cfg.vcpus = a.guest.vcpus;
     cfg.track_dirty_pages = a.track_dirty_pages;
+    for d in &a.disks {
+        match ember_vmm::cli::parse_disk(d) {
+            Ok(d) => cfg.disks.push(d),
+            Err(e) => return err(format!("--disk {d:?}: {e}")),
+        }
+    }
+    for n in &a.nets {
+        match ember_vmm::cli::parse_net(n) {
+            Ok(n) => cfg.net.push(n),
+            Err(e) => return err(format!("--net {n:?}: {e}")),
+        }
+    }
+    if let Some(v) = &a.vsock {
+        match ember_vmm::cli::parse_vsock(v) {
+            Ok(v) => cfg.vsock = Some(v),
+            Err(e) => return err(format!("--vsock {v:?}: {e}")),
+        }
+    }
     cfg.cpu_profile = a.guest.cpu_profile;
     if a.verbose_guest {
         cfg.cmdline = Some(ember_vmm::vm::DEFAULT_CMDLINE.replace(" quiet", ""));

@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod boot;
+pub mod cli;
 pub mod console;
 pub mod cpu;
 pub mod device_manager;
