@@ -22,6 +22,8 @@ struct Cli {
     cmd: Cmd,
 }
 
+// Parsed once per process; boxing the large variants would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// Work with single VMs.
@@ -38,6 +40,7 @@ enum Cmd {
     },
 }
 
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum VmCmd {
     /// Boot a guest, stream its console, exit when it reboots or powers off.
