@@ -147,3 +147,221 @@ impl RunningVmm {
 
 /// `--cmdline-append` value running the agent (and nothing else).
 pub const AGENT_CMDLINE: &str = "ember.agent";
+
+// ---- Helpers for device tests: network namespaces, vsock through the VMM's Unix socket,
+// ---- SHA-256 through the host's `sha256sum`.
+
+/// A network namespace created for a test, deleted (with every interface in it) on drop.
+#[derive(Debug)]
+pub struct Netns {
+    /// Its name (`ip netns` name, file under `/run/netns`).
+    pub name: String,
+}
+
+impl Netns {
+    /// Creates namespace `name` (deleting a stale one of that name first) with `lo` up.
+    pub fn create(name: &str) -> Self {
+        let _ = Command::new("ip").args(["netns", "del", name]).output();
+        run_ip(&["netns", "add", name]);
+        let ns = Self {
+            name: name.to_string(),
+        };
+        ns.ip(&["link", "set", "lo", "up"]);
+        ns
+    }
+
+    /// Runs `ip -n <ns> args...`; panics with ip's message when it fails.
+    pub fn ip(&self, args: &[&str]) {
+        let mut all = vec!["-n", self.name.as_str()];
+        all.extend_from_slice(args);
+        run_ip(&all);
+    }
+
+    /// Creates a persistent TAP `tap` in the namespace with address `cidr` (e.g.
+    /// `10.77.0.1/24`), up.
+    pub fn add_tap(&self, tap: &str, cidr: &str) {
+        self.ip(&["tuntap", "add", "dev", tap, "mode", "tap"]);
+        self.ip(&["addr", "add", cidr, "dev", tap]);
+        self.ip(&["link", "set", tap, "up"]);
+    }
+
+    /// Runs `f` on a new thread that has joined this namespace: sockets it creates live in
+    /// the namespace (and may then be used from any thread).
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = PathBuf::from("/run/netns").join(&self.name);
+        std::thread::spawn(move || {
+            enter_netns(&path);
+            f()
+        })
+        .join()
+        .expect("thread in the network namespace panicked")
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
+    }
+}
+
+fn run_ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Moves the calling thread into the network namespace at `path` (`setns(CLONE_NEWNET)`).
+pub fn enter_netns(path: &std::path::Path) {
+    use std::os::fd::AsRawFd;
+    extern "C" {
+        fn setns(fd: i32, nstype: i32) -> i32;
+    }
+    const CLONE_NEWNET: i32 = 0x4000_0000;
+    let f = std::fs::File::open(path)
+        .unwrap_or_else(|e| panic!("open network namespace {}: {e}", path.display()));
+    // SAFETY: setns takes a descriptor `f` keeps open for the call and a flag; it affects only
+    // the calling thread's network namespace and touches no memory of ours.
+    let rc = unsafe { setns(f.as_raw_fd(), CLONE_NEWNET) };
+    assert_eq!(
+        rc,
+        0,
+        "setns {}: {}",
+        path.display(),
+        std::io::Error::last_os_error()
+    );
+}
+
+impl RunningVmm {
+    /// Like [`RunningVmm::start`], with `ember-vmm` running inside network namespace `netns`
+    /// (through `ip netns exec`, which execs it: the child is the VMM itself), so that it
+    /// attaches to TAP devices there.
+    pub fn start_in_netns(
+        dir: &std::path::Path,
+        name: &str,
+        netns: &str,
+        args: &[std::ffi::OsString],
+    ) -> Self {
+        let report = dir.join(format!("{name}.jsonl"));
+        let console = dir.join(format!("{name}.console"));
+        let child = Command::new("ip")
+            .args(["netns", "exec", netns])
+            .arg(bin("ember-vmm"))
+            .args(args)
+            .arg("--report")
+            .arg(&report)
+            .arg("--serial")
+            .arg(format!("file:{}", console.display()))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("spawn ip netns exec ember-vmm");
+        Self { child, report }
+    }
+}
+
+/// Connects to guest vsock `port` through the VMM's Unix socket `uds` (`CONNECT <port>\n`,
+/// `OK <n>\n`), with `timeout` on the handshake and on later reads and writes.
+pub fn vsock_connect(
+    uds: &std::path::Path,
+    port: u32,
+    timeout: std::time::Duration,
+) -> std::io::Result<std::os::unix::net::UnixStream> {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(uds)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    s.write_all(format!("CONNECT {port}\n").as_bytes())?;
+    // Byte by byte: the guest's data may follow the line at once.
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while line.last() != Some(&b'\n') {
+        if s.read(&mut b)? == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionRefused,
+                format!("the VMM closed the connection to guest port {port} without OK"),
+            ));
+        }
+        line.push(b[0]);
+        if line.len() > 64 {
+            return Err(std::io::Error::other(format!("bad reply {line:?}")));
+        }
+    }
+    if !line.starts_with(b"OK ") {
+        return Err(std::io::Error::other(format!(
+            "CONNECT {port}: {:?}",
+            String::from_utf8_lossy(&line)
+        )));
+    }
+    Ok(s)
+}
+
+/// SHA-256 computed by the host's `sha256sum`, fed incrementally.
+#[derive(Debug)]
+pub struct Sha256Pipe {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+}
+
+impl Default for Sha256Pipe {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Sha256Pipe {
+    /// Starts `sha256sum`.
+    pub fn new() -> Self {
+        let mut child = Command::new("sha256sum")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn sha256sum");
+        let stdin = child.stdin.take();
+        Self { child, stdin }
+    }
+
+    /// Hashes `data` next.
+    pub fn update(&mut self, data: &[u8]) {
+        use std::io::Write;
+        self.stdin
+            .as_mut()
+            .expect("sha256sum stdin")
+            .write_all(data)
+            .expect("write to sha256sum");
+    }
+
+    /// The hex digest of everything hashed.
+    pub fn finish(mut self) -> String {
+        use std::io::Read;
+        drop(self.stdin.take());
+        let mut out = String::new();
+        if let Some(mut o) = self.child.stdout.take() {
+            o.read_to_string(&mut out).expect("read sha256sum output");
+        }
+        out.split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    }
+}
+
+impl Drop for Sha256Pipe {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// SHA-256 (hex) of `data`.
+pub fn sha256_hex(data: &[u8]) -> String {
+    let mut p = Sha256Pipe::new();
+    p.update(data);
+    p.finish()
+}

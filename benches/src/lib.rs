@@ -6,5 +6,6 @@
 
 pub mod boot;
 pub mod clones;
+pub mod devices;
 pub mod restore;
 pub mod stats;
