@@ -182,7 +182,8 @@ fn boot_agent(cmdline: &str) -> Agent {
 
 impl Agent {
     fn connect(&self) -> Client<UnixStream> {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        // Generous: CI machines may be busy, and this only bounds a failure.
+        let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             if let Ok(stream) = UnixStream::connect(&self.socket) {
                 return Client::new(stream);

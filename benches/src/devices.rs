@@ -933,3 +933,35 @@ mod tests {
         }
     }
 }
+
+/// A live run for development: `EMBER_TEST_KERNEL=… EMBER_TEST_ROOTFS=… [EMBER_VMM=…]
+/// [EMBER_BENCH_FULL=1] cargo test -p ember-benches --lib devices::live -- --ignored --nocapture`
+/// (root, /dev/kvm, `ip`; `EMBER_VMM` defaults to this target directory's `ember-vmm`).
+#[cfg(test)]
+mod live {
+    use super::*;
+
+    #[test]
+    #[ignore = "boots a real guest: needs root, /dev/kvm and the guest images"]
+    fn devices_live() {
+        let var = |k: &str| std::env::var_os(k).map(PathBuf::from);
+        let kernel = var("EMBER_TEST_KERNEL").expect("EMBER_TEST_KERNEL");
+        let rootfs = var("EMBER_TEST_ROOTFS").expect("EMBER_TEST_ROOTFS");
+        let vmm = var("EMBER_VMM").unwrap_or_else(|| {
+            let exe = std::env::current_exe().unwrap();
+            exe.ancestors().nth(2).unwrap().join("ember-vmm")
+        });
+        let quick = std::env::var_os("EMBER_BENCH_FULL").is_none_or(|v| v != "1");
+        let t = Instant::now();
+        let r = run_device_benches(&kernel, &rootfs, &vmm, quick).unwrap();
+        print!("{}", table(&r));
+        for x in &r {
+            println!("{}", serde_json::to_string(x).unwrap());
+        }
+        println!(
+            "({} mode, {:.1} s)",
+            if quick { "quick" } else { "full" },
+            t.elapsed().as_secs_f64()
+        );
+    }
+}
