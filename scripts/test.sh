@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 cargo build --workspace --bins
 python3 -m unittest discover -s rootfs -p "test_*.py"
 # Guest boots are slow on kvm_pvm and the machine has 2 cores: two test threads.
-cargo test --workspace -- --test-threads=2
+cargo test --workspace --no-fail-fast -- --test-threads=2
