@@ -145,9 +145,23 @@ impl Drop for Agent {
 const AGENT_SETUP: &str = "mount -t tmpfs ember-test-dev /dev && touch /dev/port \
      && mknod -m 666 /dev/null c 1 3 && exec \"$1\"";
 
+/// A scratch directory outside every path the init mounts over.
+fn agent_dir() -> tempfile::TempDir {
+    let target = env!("CARGO_TARGET_TMPDIR");
+    let hidden = ["/tmp", "/run", "/dev", "/proc", "/sys"]
+        .iter()
+        .any(|p| std::path::Path::new(target).starts_with(p));
+    if hidden {
+        tempfile::tempdir_in("/var/tmp").unwrap()
+    } else {
+        tempfile::tempdir_in(target).unwrap()
+    }
+}
+
 fn boot_agent(cmdline: &str) -> Agent {
-    // Not under /tmp: the init mounts its own tmpfs there.
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    // Not under /tmp or /run: the init mounts its own tmpfs there (and a checkout may itself
+    // live under /tmp, as CI's does).
+    let dir = agent_dir();
     let socket = dir.path().join("agent.sock");
     let child = Command::new("unshare")
         .args([
