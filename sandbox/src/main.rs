@@ -141,7 +141,7 @@ struct BenchRestoreArgs {
     #[arg(long)]
     firecracker: Option<PathBuf>,
     /// ember's working-set prefetch for the restores: off, sync or async.
-    #[arg(long, default_value = "async")]
+    #[arg(long, default_value = "off")]
     prefetch: String,
     /// JSON lines only (one object per system and measure).
     #[arg(long)]

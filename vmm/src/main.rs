@@ -87,7 +87,7 @@ struct Args {
     #[arg(long, conflicts_with_all = ["config", "kernel", "disks", "mem_mib", "vcpus", "cmdline", "cmdline_append"])]
     restore: Option<PathBuf>,
     /// With --restore: prefetch the snapshot's recorded working set: off, sync or async.
-    #[arg(long, default_value = "async")]
+    #[arg(long, default_value = "off")]
     prefetch: ember_vmm::workingset::Prefetch,
     /// Serve the control socket (pause, resume, snapshot, stats, shutdown) at this path.
     #[arg(long)]

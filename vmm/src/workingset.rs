@@ -8,6 +8,12 @@
 //! with `MADV_POPULATE_READ` before (`sync`) or while (`async`) the vCPU starts. Populating for
 //! read keeps the pages shared with the page cache: a guest write still copies on write, so
 //! clones keep sharing what they do not change.
+//!
+//! Measured on the kvm_pvm development host (Linux guest, 128 MiB, memory file in the page
+//! cache, 50 restores each, spawn → agent ping): off 78.8 ms median, sync 82.1 ms. The cost
+//! after a restore there is the guest's own work and KVM's shadow-MMU faults, which host-side
+//! population cannot avoid, so prefetch is off by default; it is meant for memory files that
+//! are not in the page cache (cold hosts, network storage).
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
@@ -28,11 +34,11 @@ const PAGEMAP_PRESENT: u64 = 1 << 63;
 #[serde(rename_all = "snake_case")]
 pub enum Prefetch {
     /// Ignore it.
+    #[default]
     Off,
     /// Populate before the vCPUs start.
     Sync,
     /// Populate on a helper thread while the vCPUs start.
-    #[default]
     Async,
 }
 
