@@ -601,7 +601,8 @@ fn host_veth_throughput(n: usize) -> Result<f64, String> {
 }
 
 /// The guest's block pattern on the host: the same offsets on the same file, buffered like
-/// the VMM's own requests. Returns seconds.
+/// the VMM's own requests (so reads come from the host's page cache, as the VMM's do).
+/// Returns seconds.
 fn host_blk(file: &Path, kind: &str, bs: usize, offsets: &[u64]) -> Result<f64, String> {
     let write = kind.ends_with("write");
     let f = std::fs::OpenOptions::new()
@@ -609,11 +610,6 @@ fn host_blk(file: &Path, kind: &str, bs: usize, offsets: &[u64]) -> Result<f64, 
         .write(write)
         .open(file)
         .map_err(err("open the disk image"))?;
-    if !write {
-        // Cold like the guest's O_DIRECT reads as far as we can: drop the file's page cache.
-        // SAFETY: posix_fadvise takes a descriptor `f` keeps open and plain integers.
-        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-    }
     let mut buf = vec![0x3cu8; bs];
     let t = Instant::now();
     for &o in offsets {
