@@ -116,6 +116,20 @@ enum BenchCmd {
     Restore(BenchRestoreArgs),
     /// Host memory of N idle clones of one snapshot (PSS sum, private per clone, VMM overhead).
     Clones(BenchClonesArgs),
+    /// Device throughput and latency in a guest (vsock, net, blk) beside the same on the host.
+    Devices(BenchDevicesArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchDevicesArgs {
+    #[command(flatten)]
+    guest: GuestArgs,
+    /// Move less data (about a minute and a half of guest work).
+    #[arg(long)]
+    quick: bool,
+    /// JSON lines only.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -799,6 +813,30 @@ fn bench_clones(a: BenchClonesArgs) -> ExitCode {
     }
 }
 
+fn bench_devices(a: BenchDevicesArgs) -> ExitCode {
+    let (kernel, rootfs) = match resolve_images(&a.guest) {
+        Ok(x) => x,
+        Err(e) => return err(e),
+    };
+    let vmm = match find_vmm_binary() {
+        Ok(b) => b,
+        Err(e) => return err(e),
+    };
+    match ember_benches::devices::run_device_benches(&kernel, &rootfs, &vmm, a.quick) {
+        Ok(rs) => {
+            if a.json {
+                for r in &rs {
+                    println!("{}", serde_json::to_string(r).unwrap_or_default());
+                }
+            } else {
+                print!("{}", ember_benches::devices::table(&rs));
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => err(e),
+    }
+}
+
 fn bench_boot(a: BenchBootArgs) -> ExitCode {
     let (kernel, rootfs) = match resolve_images(&a.guest) {
         Ok(x) => x,
@@ -877,6 +915,7 @@ fn main() -> ExitCode {
         Cmd::Bench(BenchCmd::Boot(a)) => bench_boot(a),
         Cmd::Bench(BenchCmd::Restore(a)) => bench_restore(a),
         Cmd::Bench(BenchCmd::Clones(a)) => bench_clones(a),
+        Cmd::Bench(BenchCmd::Devices(a)) => bench_devices(a),
         Cmd::Images { template } => {
             let k = images::default_kernel();
             let r = images::default_rootfs(&template);
