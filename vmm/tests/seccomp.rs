@@ -20,46 +20,15 @@ use std::process::{Command, Output};
 
 use ember_vmm::seccomp::{self, SeccompMode, ThreadKind, TEST_HOOK_ENV};
 
+mod common;
+use common::elf_with_code;
+
 const PROBE_ENV: &str = "EMBER_SECCOMP_PROBE";
 const PROBE_DIR_ENV: &str = "EMBER_SECCOMP_PROBE_DIR";
 const PROBE_OK: &str = "PROBE-OK";
 
 // ---------------------------------------------------------------------------------------
 // The VMM binary with a tiny guest.
-
-const LOAD_ADDR: u64 = 0x20_0000;
-
-/// A minimal ELF64 executable whose single segment holds `code`, entered at its first byte
-/// (the same guest as `mini_guest.rs`).
-fn elf_with_code(code: &[u8]) -> Vec<u8> {
-    let code_off: u64 = 64 + 56;
-    let total = code_off + code.len() as u64;
-    let mut e = Vec::new();
-    e.extend_from_slice(b"\x7fELF");
-    e.extend_from_slice(&[2, 1, 1, 0]);
-    e.extend_from_slice(&[0; 8]);
-    e.extend_from_slice(&2u16.to_le_bytes()); // ET_EXEC
-    e.extend_from_slice(&0x3eu16.to_le_bytes()); // x86-64
-    e.extend_from_slice(&1u32.to_le_bytes());
-    e.extend_from_slice(&(LOAD_ADDR + code_off).to_le_bytes()); // entry
-    e.extend_from_slice(&64u64.to_le_bytes()); // phoff
-    e.extend_from_slice(&0u64.to_le_bytes()); // shoff
-    e.extend_from_slice(&0u32.to_le_bytes()); // flags
-    e.extend_from_slice(&64u16.to_le_bytes()); // ehsize
-    e.extend_from_slice(&56u16.to_le_bytes()); // phentsize
-    e.extend_from_slice(&1u16.to_le_bytes()); // phnum
-    e.extend_from_slice(&[0; 6]);
-    e.extend_from_slice(&1u32.to_le_bytes()); // PT_LOAD
-    e.extend_from_slice(&5u32.to_le_bytes()); // R+X
-    e.extend_from_slice(&0u64.to_le_bytes());
-    e.extend_from_slice(&LOAD_ADDR.to_le_bytes());
-    e.extend_from_slice(&LOAD_ADDR.to_le_bytes());
-    e.extend_from_slice(&total.to_le_bytes());
-    e.extend_from_slice(&total.to_le_bytes());
-    e.extend_from_slice(&0x1000u64.to_le_bytes());
-    e.extend_from_slice(code);
-    e
-}
 
 /// Writes boot-marker byte 7, prints "ok\n" on COM1, then resets through the i8042: port I/O
 /// to the boot marker (report file write on the vCPU thread), the serial port (stdout write),

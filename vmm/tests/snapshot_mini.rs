@@ -8,37 +8,8 @@ use std::time::{Duration, Instant};
 
 use ember_vmm::api::{call, AfterSnapshot, Request, SnapshotKind};
 
-const LOAD_ADDR: u64 = 0x20_0000;
-
-fn elf_with_code(code: &[u8]) -> Vec<u8> {
-    let code_off: u64 = 64 + 56;
-    let total = code_off + code.len() as u64;
-    let mut e = Vec::new();
-    e.extend_from_slice(b"\x7fELF");
-    e.extend_from_slice(&[2, 1, 1, 0]);
-    e.extend_from_slice(&[0; 8]);
-    e.extend_from_slice(&2u16.to_le_bytes());
-    e.extend_from_slice(&0x3eu16.to_le_bytes());
-    e.extend_from_slice(&1u32.to_le_bytes());
-    e.extend_from_slice(&(LOAD_ADDR + code_off).to_le_bytes());
-    e.extend_from_slice(&64u64.to_le_bytes());
-    e.extend_from_slice(&0u64.to_le_bytes());
-    e.extend_from_slice(&0u32.to_le_bytes());
-    e.extend_from_slice(&64u16.to_le_bytes());
-    e.extend_from_slice(&56u16.to_le_bytes());
-    e.extend_from_slice(&1u16.to_le_bytes());
-    e.extend_from_slice(&[0; 6]);
-    e.extend_from_slice(&1u32.to_le_bytes());
-    e.extend_from_slice(&5u32.to_le_bytes());
-    e.extend_from_slice(&0u64.to_le_bytes());
-    e.extend_from_slice(&LOAD_ADDR.to_le_bytes());
-    e.extend_from_slice(&LOAD_ADDR.to_le_bytes());
-    e.extend_from_slice(&total.to_le_bytes());
-    e.extend_from_slice(&total.to_le_bytes());
-    e.extend_from_slice(&0x1000u64.to_le_bytes());
-    e.extend_from_slice(code);
-    e
-}
+mod common;
+use common::elf_with_code;
 
 /// loop: inc qword [0x300000]; mov rax, [0x300000]; out 0x0ef0, al; delay; jmp loop
 const COUNTER: &[u8] = &[
