@@ -66,16 +66,14 @@ fn spawn(args: &[&std::ffi::OsStr]) -> Killer {
     )
 }
 
-#[test]
-fn counter_continues_after_restore_in_a_new_process() {
-    let dir = tempfile::tempdir().unwrap();
-    let kernel = dir.path().join("counter.elf");
+/// Boots the counter guest in `dir` (64 MiB, control socket, report file) and waits for
+/// `ticks` counter values; returns the VMM, its socket and its report.
+fn boot_counter(dir: &Path, extra: &[&str], ticks: usize) -> (Killer, PathBuf, PathBuf) {
+    let kernel = dir.join("counter.elf");
     std::fs::write(&kernel, elf_with_code(COUNTER)).unwrap();
-    let sock = dir.path().join("api.sock");
-    let r1 = dir.path().join("r1.jsonl");
-    let snap = dir.path().join("snap");
-
-    let mut first = spawn(&[
+    let sock = dir.join("api.sock");
+    let report = dir.join("r1.jsonl");
+    let mut args: Vec<&std::ffi::OsStr> = vec![
         "--kernel".as_ref(),
         kernel.as_os_str(),
         "--mem-mib".as_ref(),
@@ -83,11 +81,21 @@ fn counter_continues_after_restore_in_a_new_process() {
         "--api-sock".as_ref(),
         sock.as_os_str(),
         "--report".as_ref(),
-        r1.as_os_str(),
-    ]);
-    wait_for("3 counter ticks", Duration::from_secs(60), || {
-        markers(&r1).len() >= 3
+        report.as_os_str(),
+    ];
+    args.extend(extra.iter().map(std::ffi::OsStr::new));
+    let vm = spawn(&args);
+    wait_for("counter ticks", Duration::from_secs(60), || {
+        markers(&report).len() >= ticks
     });
+    (vm, sock, report)
+}
+
+#[test]
+fn counter_continues_after_restore_in_a_new_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let snap = dir.path().join("snap");
+    let (mut first, sock, r1) = boot_counter(dir.path(), &[], 3);
 
     // Pause, check the counter stands still, snapshot, and let the VMM exit.
     assert_eq!(call(&sock, &Request::Pause).unwrap()["ok"], true);
@@ -141,24 +149,8 @@ fn counter_continues_after_restore_in_a_new_process() {
 #[test]
 fn two_clones_of_one_snapshot_run_at_once() {
     let dir = tempfile::tempdir().unwrap();
-    let kernel = dir.path().join("counter.elf");
-    std::fs::write(&kernel, elf_with_code(COUNTER)).unwrap();
-    let sock = dir.path().join("api.sock");
-    let r1 = dir.path().join("r1.jsonl");
     let snap = dir.path().join("snap");
-    let mut first = spawn(&[
-        "--kernel".as_ref(),
-        kernel.as_os_str(),
-        "--mem-mib".as_ref(),
-        "64".as_ref(),
-        "--api-sock".as_ref(),
-        sock.as_os_str(),
-        "--report".as_ref(),
-        r1.as_os_str(),
-    ]);
-    wait_for("a tick", Duration::from_secs(60), || {
-        !markers(&r1).is_empty()
-    });
+    let (mut first, sock, _) = boot_counter(dir.path(), &[], 1);
     let reply = call(
         &sock,
         &Request::Snapshot {
@@ -197,24 +189,8 @@ fn two_clones_of_one_snapshot_run_at_once() {
 #[test]
 fn bad_snapshots_are_refused_before_anything_runs() {
     let dir = tempfile::tempdir().unwrap();
-    let kernel = dir.path().join("counter.elf");
-    std::fs::write(&kernel, elf_with_code(COUNTER)).unwrap();
-    let sock = dir.path().join("api.sock");
-    let r1 = dir.path().join("r1.jsonl");
     let snap = dir.path().join("snap");
-    let mut first = spawn(&[
-        "--kernel".as_ref(),
-        kernel.as_os_str(),
-        "--mem-mib".as_ref(),
-        "64".as_ref(),
-        "--api-sock".as_ref(),
-        sock.as_os_str(),
-        "--report".as_ref(),
-        r1.as_os_str(),
-    ]);
-    wait_for("a tick", Duration::from_secs(60), || {
-        !markers(&r1).is_empty()
-    });
+    let (mut first, sock, _) = boot_counter(dir.path(), &[], 1);
     let reply = call(
         &sock,
         &Request::Snapshot {
@@ -291,29 +267,12 @@ fn bad_snapshots_are_refused_before_anything_runs() {
 fn diff_snapshot_holds_only_new_writes_and_merges_onto_its_parent() {
     use std::os::unix::fs::MetadataExt;
     let dir = tempfile::tempdir().unwrap();
-    let kernel = dir.path().join("counter.elf");
-    std::fs::write(&kernel, elf_with_code(COUNTER)).unwrap();
-    let sock = dir.path().join("api.sock");
-    let r1 = dir.path().join("r1.jsonl");
     let (full, diff, merged) = (
         dir.path().join("full"),
         dir.path().join("diff"),
         dir.path().join("merged"),
     );
-    let mut vm = spawn(&[
-        "--kernel".as_ref(),
-        kernel.as_os_str(),
-        "--mem-mib".as_ref(),
-        "64".as_ref(),
-        "--track-dirty-pages".as_ref(),
-        "--api-sock".as_ref(),
-        sock.as_os_str(),
-        "--report".as_ref(),
-        r1.as_os_str(),
-    ]);
-    wait_for("a tick", Duration::from_secs(60), || {
-        !markers(&r1).is_empty()
-    });
+    let (mut vm, sock, r1) = boot_counter(dir.path(), &["--track-dirty-pages"], 1);
     // A diff before any full snapshot has nothing to be relative to.
     let reply = call(
         &sock,
