@@ -417,6 +417,13 @@ fn err(msg: impl std::fmt::Display) -> ExitCode {
     ExitCode::from(1)
 }
 
+/// The guest images and the `ember-vmm` binary every VM command needs.
+fn images_and_vmm(g: &GuestArgs) -> Result<(PathBuf, PathBuf, PathBuf), String> {
+    let (kernel, rootfs) = resolve_images(g)?;
+    let vmm = find_vmm_binary().map_err(|e| e.to_string())?;
+    Ok((kernel, rootfs, vmm))
+}
+
 fn resolve_images(g: &GuestArgs) -> Result<(PathBuf, PathBuf), String> {
     let kernel = match &g.kernel {
         Some(k) => k.clone(),
@@ -438,12 +445,8 @@ fn resolve_images(g: &GuestArgs) -> Result<(PathBuf, PathBuf), String> {
 }
 
 fn vm_boot(a: BootArgs) -> ExitCode {
-    let (kernel, rootfs) = match resolve_images(&a.guest) {
+    let (kernel, rootfs, vmm) = match images_and_vmm(&a.guest) {
         Ok(x) => x,
-        Err(e) => return err(e),
-    };
-    let vmm = match find_vmm_binary() {
-        Ok(b) => b,
         Err(e) => return err(e),
     };
     let mut cfg = VmConfig::new(kernel.clone());
@@ -684,12 +687,8 @@ fn vm_snapshot(a: SnapshotArgs) -> ExitCode {
 }
 
 fn bench_restore(a: BenchRestoreArgs) -> ExitCode {
-    let (kernel, rootfs) = match resolve_images(&a.guest) {
+    let (kernel, rootfs, vmm) = match images_and_vmm(&a.guest) {
         Ok(x) => x,
-        Err(e) => return err(e),
-    };
-    let vmm = match find_vmm_binary() {
-        Ok(b) => b,
         Err(e) => return err(e),
     };
     if a.n == 0 {
@@ -744,12 +743,8 @@ fn bench_restore(a: BenchRestoreArgs) -> ExitCode {
 }
 
 fn bench_clones(a: BenchClonesArgs) -> ExitCode {
-    let (kernel, rootfs) = match resolve_images(&a.guest) {
+    let (kernel, rootfs, vmm) = match images_and_vmm(&a.guest) {
         Ok(x) => x,
-        Err(e) => return err(e),
-    };
-    let vmm = match find_vmm_binary() {
-        Ok(b) => b,
         Err(e) => return err(e),
     };
     let work = match tempfile::Builder::new().prefix("ember-bench-").tempdir() {
@@ -814,12 +809,8 @@ fn bench_clones(a: BenchClonesArgs) -> ExitCode {
 }
 
 fn bench_devices(a: BenchDevicesArgs) -> ExitCode {
-    let (kernel, rootfs) = match resolve_images(&a.guest) {
+    let (kernel, rootfs, vmm) = match images_and_vmm(&a.guest) {
         Ok(x) => x,
-        Err(e) => return err(e),
-    };
-    let vmm = match find_vmm_binary() {
-        Ok(b) => b,
         Err(e) => return err(e),
     };
     match ember_benches::devices::run_device_benches(&kernel, &rootfs, &vmm, a.quick) {
@@ -838,12 +829,8 @@ fn bench_devices(a: BenchDevicesArgs) -> ExitCode {
 }
 
 fn bench_boot(a: BenchBootArgs) -> ExitCode {
-    let (kernel, rootfs) = match resolve_images(&a.guest) {
+    let (kernel, rootfs, vmm) = match images_and_vmm(&a.guest) {
         Ok(x) => x,
-        Err(e) => return err(e),
-    };
-    let vmm = match find_vmm_binary() {
-        Ok(b) => b,
         Err(e) => return err(e),
     };
     if a.n == 0 {
