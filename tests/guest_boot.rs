@@ -43,6 +43,8 @@ fn default_guest_boots_runs_its_command_and_keeps_the_root_read_only() {
             "{cmdline}"
         );
         assert!(cmdline.contains("noxsave"), "{cmdline}");
+        // Guest-kernel patch 0009 on: task switches at user page faults go through an IPI.
+        assert!(cmdline.contains("ember_fault_resched_ipi"), "{cmdline}");
     }
     assert!(
         cmdline.contains("virtio_mmio.device=4K@0xd0000000:5"),
