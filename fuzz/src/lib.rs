@@ -9,12 +9,11 @@
 //! Targets:
 //! - `fuzz_block` ([`block`]): virtio-blk in read-only, read-write and overlay modes.
 //! - `fuzz_vsock` ([`vsock`]): virtio-vsock, all three queues, with host Unix sockets.
-//! - virtio-net: not yet. `Net::new` opens a real TAP device (root, `/dev/net/tun`); a target
-//!   needs a way to build the device on a fake backend (e.g. a socketpair standing in for the
-//!   TAP). With that, it is [`queue::FuzzInput`] with the device's two queues plus a function
-//!   like [`vsock::run`].
+//! - `fuzz_net` ([`net`]): virtio-net, receive and transmit queues, on a Unix datagram socket
+//!   pair standing in for the TAP.
 
 pub mod block;
+pub mod net;
 pub mod queue;
 pub mod vsock;
 
@@ -201,6 +200,15 @@ pub mod seeds {
         BlockStatuses(Vec<u8>),
         /// virtio-vsock: the number of tx chains consumed.
         TxConsumed(u16),
+        /// virtio-net: the used indexes of the receive and transmit queues, and the outcome.
+        Net {
+            /// Receive queue's used index.
+            rx_used: u16,
+            /// Transmit queue's used index.
+            tx_used: u16,
+            /// What the device did.
+            outcome: crate::net::Outcome,
+        },
     }
 
     /// A seed input and what it must do.
@@ -372,6 +380,410 @@ pub mod seeds {
             seed("malformed", vsock_malformed(), 4),
         ]
     }
+
+    /// virtio-net chains: network frames for `traffic::INPUT` at `net::INPUT_FRAMES` (the
+    /// start of the payload), transmit headers and frames after them, receive buffers from
+    /// [`NET_RX_BUFFERS`] (left out of the payload: the device fills them).
+    struct NetBuilder {
+        input: FuzzInput,
+        tx_at: u64,
+        rx_at: u64,
+    }
+
+    /// Where the net seeds' receive buffers start.
+    pub const NET_RX_BUFFERS: u64 = PAYLOAD + 0x1_8000;
+
+    /// The host's MAC in the frames the guest sends.
+    const HOST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 1];
+    const NEEDS_CSUM: u8 = 1;
+    const GSO_TCPV4: u8 = 1;
+    const GSO_UDP: u8 = 3;
+    const GSO_TCPV6: u8 = 4;
+    const GSO_ECN: u8 = 0x80;
+
+    /// A `virtio_net_hdr_v1`: flags, GSO type, header length, GSO size, checksum start/offset.
+    fn net_hdr(flags: u8, gso: u8, hdr_len: u16, gso_size: u16, csum: (u16, u16)) -> [u8; 12] {
+        let mut h = [0u8; 12];
+        h[0] = flags;
+        h[1] = gso;
+        h[2..4].copy_from_slice(&hdr_len.to_le_bytes());
+        h[4..6].copy_from_slice(&gso_size.to_le_bytes());
+        h[6..8].copy_from_slice(&csum.0.to_le_bytes());
+        h[8..10].copy_from_slice(&csum.1.to_le_bytes());
+        h
+    }
+
+    /// A TCP/IPv4-ish checksum-offload header (csum_start 34, csum_offset 16).
+    fn csum_hdr(gso: u8, gso_size: u16) -> [u8; 12] {
+        net_hdr(NEEDS_CSUM, gso, 54, gso_size, (34, 16))
+    }
+
+    /// An Ethernet frame of `len` bytes from `src` to `dst` (IPv4 ethertype, filler body).
+    fn eth(dst: [u8; 6], src: [u8; 6], len: usize) -> Vec<u8> {
+        let mut f = Vec::with_capacity(len);
+        f.extend_from_slice(&dst);
+        f.extend_from_slice(&src);
+        f.extend_from_slice(&[0x08, 0x00]);
+        f.extend((0..len.saturating_sub(14)).map(|i| (i * 7 % 256) as u8));
+        f.truncate(len);
+        f
+    }
+
+    fn guest_mac() -> [u8; 6] {
+        ember_devices::virtio::net::MacAddr::derive(crate::net::TAP_NAME).bytes()
+    }
+
+    /// A frame from the guest to the host.
+    fn out_frame(len: usize) -> Vec<u8> {
+        eth(HOST_MAC, guest_mac(), len)
+    }
+
+    impl NetBuilder {
+        fn new(selector: u8) -> Self {
+            Self::with_net_frames(selector, &[])
+        }
+
+        /// A builder whose input also carries `frames` (vnet header, Ethernet frame) for the
+        /// network to send each round with `traffic::INPUT`.
+        fn with_net_frames(selector: u8, frames: &[([u8; 12], &[u8])]) -> Self {
+            let q = VirtqInput {
+                queue_size: 64,
+                ..VirtqInput::default()
+            };
+            let mut b = NetBuilder {
+                input: FuzzInput {
+                    selector,
+                    queues: vec![q.clone(), q],
+                    payload: Vec::new(),
+                },
+                tx_at: crate::net::INPUT_FRAMES,
+                rx_at: NET_RX_BUFFERS,
+            };
+            if !frames.is_empty() {
+                assert!(frames.len() <= crate::net::MAX_INPUT_FRAMES);
+                let mut region = vec![frames.len() as u8];
+                for (hdr, frame) in frames {
+                    let len = (hdr.len() + frame.len()) as u16;
+                    region.extend_from_slice(&len.to_le_bytes());
+                    region.extend_from_slice(hdr);
+                    region.extend_from_slice(frame);
+                }
+                b.tx_data(&region);
+            }
+            b
+        }
+
+        fn event_idx(mut self) -> Self {
+            for q in &mut self.input.queues {
+                q.event_idx = true;
+            }
+            self
+        }
+
+        /// Guest memory for `bytes`, placed after the previous transmit data.
+        fn tx_data(&mut self, bytes: &[u8]) -> u64 {
+            let at = self.tx_at;
+            self.input.put(at, bytes);
+            self.tx_at += bytes.len() as u64;
+            at
+        }
+
+        /// A transmit chain: `hdr` in its own descriptor (as Linux does), then `frame` cut
+        /// into `pieces` descriptors.
+        fn tx(&mut self, hdr: [u8; 12], frame: &[u8], pieces: usize) {
+            let h = self.tx_data(&hdr);
+            let mut chain = vec![(h, 12, 0)];
+            let step = frame.len().div_ceil(pieces.max(1)).max(1);
+            for part in frame.chunks(step) {
+                let at = self.tx_data(part);
+                chain.push((at, part.len() as u32, 0));
+            }
+            self.input.queues[1].push_chain(&chain);
+        }
+
+        /// A transmit chain of the header and frame in one descriptor.
+        fn tx_one(&mut self, hdr: [u8; 12], frame: &[u8]) {
+            let at = self.tx_data(&hdr);
+            self.tx_data(frame);
+            self.input.queues[1].push_chain(&[(at, 12 + frame.len() as u32, 0)]);
+        }
+
+        /// A transmit chain through an indirect table of two descriptors: header, frame.
+        fn tx_indirect(&mut self, hdr: [u8; 12], frame: &[u8]) {
+            let h = self.tx_data(&hdr);
+            let f = self.tx_data(frame);
+            let mut table = Vec::new();
+            for (addr, len, flags, next) in
+                [(h, 12u32, F_NEXT, 1u16), (f, frame.len() as u32, 0, 0)]
+            {
+                table.extend_from_slice(&addr.to_le_bytes());
+                table.extend_from_slice(&len.to_le_bytes());
+                table.extend_from_slice(&flags.to_le_bytes());
+                table.extend_from_slice(&next.to_le_bytes());
+            }
+            let t = self.tx_data(&table);
+            self.input.queues[1].push_chain(&[(t, 32, F_INDIRECT)]);
+        }
+
+        /// A transmit chain as given (for malformed ones).
+        fn tx_raw(&mut self, chain: &[(u64, u32, u16)]) {
+            self.input.queues[1].push_chain(chain);
+        }
+
+        /// `n` receive chains, each of buffers of the given sizes (device-writable).
+        fn rx(&mut self, n: usize, sizes: &[u32]) {
+            for _ in 0..n {
+                let mut chain = Vec::new();
+                for &len in sizes {
+                    chain.push((self.rx_at, len, F_WRITE));
+                    self.rx_at += u64::from(len);
+                }
+                self.input.queues[0].push_chain(&chain);
+            }
+        }
+
+        /// A receive chain as given (for malformed ones).
+        fn rx_raw(&mut self, chain: &[(u64, u32, u16)]) {
+            self.input.queues[0].push_chain(chain);
+        }
+
+        fn finish(self) -> Vec<u8> {
+            assert!(self.tx_at <= NET_RX_BUFFERS && self.rx_at <= crate::queue::MEM_SIZE);
+            self.input.encode()
+        }
+    }
+
+    /// No offloads, one small frame from the network per round: frames split like Linux's,
+    /// a full-size one, one in a single descriptor.
+    pub fn net_basic() -> Vec<u8> {
+        use crate::net::traffic;
+        let mut b = NetBuilder::new(traffic::bits(traffic::SMALL));
+        b.tx([0; 12], &out_frame(60), 1);
+        b.tx([0; 12], &out_frame(1514), 3);
+        b.tx_one([0; 12], &out_frame(100));
+        b.rx(8, &[1526 + 12]);
+        b.finish()
+    }
+
+    /// Every offload and mergeable receive buffers, event index on: TSO frames out (one through
+    /// an indirect table), GSO frames in spread over page-sized buffers.
+    pub fn net_offloads_mergeable() -> Vec<u8> {
+        use crate::net::{traffic, GUEST_OFFLOADS, HOST_OFFLOADS, MRG_RXBUF};
+        let sel = MRG_RXBUF | GUEST_OFFLOADS | HOST_OFFLOADS | traffic::bits(traffic::GSO);
+        let mut b = NetBuilder::new(sel).event_idx();
+        b.tx(csum_hdr(GSO_TCPV4, 1448), &out_frame(8000), 3);
+        b.tx(csum_hdr(GSO_TCPV6 | GSO_ECN, 1428), &out_frame(5000), 2);
+        b.tx_indirect(csum_hdr(0, 0), &out_frame(600));
+        // Four rounds of a 20000-byte and a 9000-byte frame: 5 + 3 pages each.
+        b.rx(32, &[4096]);
+        b.finish()
+    }
+
+    /// The driver posts one receive buffer per round while the network sends two frames: the
+    /// device holds a frame, waits for the next buffer, and delivers it; the transmit chains
+    /// arrive over the rounds too.
+    pub fn net_rx_stall_and_resume() -> Vec<u8> {
+        use crate::net::{traffic, STAGED};
+        let mut b = NetBuilder::new(STAGED | traffic::bits(traffic::MTU));
+        for len in [60, 200, 1514, 90] {
+            b.tx([0; 12], &out_frame(len), 1);
+        }
+        // Header and data in separate buffers, like Linux's "big packets" mode.
+        b.rx(4, &[12, 1514]);
+        b.finish()
+    }
+
+    /// Mergeable buffers for exactly one largest frame: it is delivered in 17 pages, the
+    /// over-long frame behind it dropped, the next largest one held for want of buffers.
+    pub fn net_extremes_mergeable() -> Vec<u8> {
+        use crate::net::{traffic, MRG_RXBUF};
+        let mut b = NetBuilder::new(MRG_RXBUF | traffic::bits(traffic::EXTREMES));
+        b.tx([0; 12], &out_frame(65_536 + 14 + 4), 17);
+        b.rx(17, &[4096]);
+        b.finish()
+    }
+
+    /// Malformed transmit and receive chains among good ones; runts from the network.
+    pub fn net_hostile() -> Vec<u8> {
+        use crate::net::traffic;
+        use crate::queue::MEM_SIZE;
+        let mut b = NetBuilder::new(traffic::bits(traffic::RUNTS));
+        let good = out_frame(60);
+        let mut frame = vec![0u8; 12];
+        frame.extend_from_slice(&good);
+        let at = b.tx_data(&frame);
+        let len = frame.len() as u32;
+        b.tx_raw(&[(at, len, 0), (at, 10, F_WRITE)]); // device-writable descriptor
+        b.tx_raw(&[(at, 8, 0)]); // shorter than a vnet header
+        b.tx_raw(&[(at, 12, 0), (at, 0, 0)]); // no Ethernet header
+        b.tx_raw(&[(MEM_SIZE + 0x100, len, 0)]); // outside guest memory
+        b.tx_raw(&[(at, 0x1_1000, 0)]); // longer than any frame
+        b.tx_one(csum_hdr(0, 0), &good); // NEEDS_CSUM without CSUM
+        b.tx_one(net_hdr(0, GSO_TCPV4, 54, 1448, (0, 0)), &good); // TSO without HOST_TSO4
+        b.tx_one(net_hdr(0, GSO_UDP, 42, 1472, (0, 0)), &good); // UFO: never offered
+        b.tx_raw(&[(at, len, 0)]); // fine
+        let rx = b.rx_at;
+        b.rx_raw(&[(rx, 1538, 0)]); // device-readable
+        b.rx_raw(&[(rx, 0, F_WRITE)]); // empty
+        b.rx_raw(&[(rx, 4, F_WRITE)]); // cannot hold a vnet header
+        b.rx_raw(&[(MEM_SIZE + 0x100, 1538, F_WRITE)]); // outside guest memory
+        b.rx_at += 0x1000;
+        b.rx(4, &[1538]);
+        b.finish()
+    }
+
+    /// Frames from the input: checksum-offloaded and TSO frames the guest accepted, a UFO frame
+    /// and a runt it did not.
+    pub fn net_input_frames() -> Vec<u8> {
+        use crate::net::{traffic, GUEST_OFFLOADS};
+        let inbound = eth(guest_mac(), HOST_MAC, 1000);
+        let frames = [
+            (net_hdr(2, 0, 0, 0, (0, 0)), &inbound[..60]), // DATA_VALID
+            (csum_hdr(GSO_TCPV4, 500), &inbound[..]),
+            (net_hdr(0, GSO_UDP, 42, 500, (0, 0)), &inbound[..]),
+            ([0; 12], &inbound[..5]),
+        ];
+        let sel = GUEST_OFFLOADS | traffic::bits(traffic::INPUT);
+        let mut b = NetBuilder::with_net_frames(sel, &frames);
+        b.tx([0; 12], &out_frame(60), 1);
+        b.rx(8, &[1526 + 12]);
+        b.finish()
+    }
+
+    /// The network is gone: every transmit fails and is still completed.
+    pub fn net_closed() -> Vec<u8> {
+        use crate::net::traffic;
+        let mut b = NetBuilder::new(traffic::bits(traffic::CLOSED));
+        b.tx([0; 12], &out_frame(60), 1);
+        b.tx([0; 12], &out_frame(1514), 2);
+        b.rx(2, &[1538]);
+        b.finish()
+    }
+
+    /// Saved after the first round and restored onto a new socket pair: the new device picks
+    /// up the receive queue where the old one left off; transmit chains arrive on both sides
+    /// of the restore.
+    pub fn net_restore() -> Vec<u8> {
+        use crate::net::{traffic, HOST_OFFLOADS, RESTORE, STAGED};
+        let sel = RESTORE | STAGED | HOST_OFFLOADS | traffic::bits(traffic::SMALL);
+        let mut b = NetBuilder::new(sel).event_idx();
+        for len in [60, 1514, 300, 64] {
+            b.tx(csum_hdr(0, 0), &out_frame(len), 2);
+        }
+        b.rx(8, &[1538]);
+        b.finish()
+    }
+
+    /// Every `fuzz_net` seed.
+    pub fn fuzz_net() -> Vec<Seed> {
+        use crate::net::Outcome;
+        let seed = |name, bytes, rx_used, tx_used, outcome| Seed {
+            name,
+            bytes,
+            expect: Expect::Net {
+                rx_used,
+                tx_used,
+                outcome,
+            },
+        };
+        vec![
+            seed(
+                "basic",
+                net_basic(),
+                4,
+                3,
+                Outcome {
+                    tx_frames: 3,
+                    rx_frames: 4,
+                    ..Outcome::default()
+                },
+            ),
+            seed(
+                "offloads_mergeable",
+                net_offloads_mergeable(),
+                32,
+                3,
+                Outcome {
+                    tx_frames: 3,
+                    rx_frames: 8,
+                    rx_dropped: 4,
+                    ..Outcome::default()
+                },
+            ),
+            seed(
+                "rx_stall_and_resume",
+                net_rx_stall_and_resume(),
+                4,
+                4,
+                Outcome {
+                    tx_frames: 4,
+                    rx_frames: 4,
+                    rx_stalls: 4,
+                    ..Outcome::default()
+                },
+            ),
+            seed(
+                "extremes_mergeable",
+                net_extremes_mergeable(),
+                17,
+                1,
+                Outcome {
+                    tx_frames: 1,
+                    rx_frames: 1,
+                    rx_dropped: 1,
+                    rx_stalls: 3,
+                    ..Outcome::default()
+                },
+            ),
+            seed(
+                "hostile",
+                net_hostile(),
+                8,
+                9,
+                Outcome {
+                    tx_frames: 1,
+                    tx_malformed: 8,
+                    rx_frames: 4,
+                    rx_dropped: 12,
+                    rx_malformed: 4,
+                    ..Outcome::default()
+                },
+            ),
+            seed(
+                "input_frames",
+                net_input_frames(),
+                8,
+                1,
+                Outcome {
+                    tx_frames: 1,
+                    rx_frames: 8,
+                    rx_dropped: 8,
+                    ..Outcome::default()
+                },
+            ),
+            seed(
+                "closed",
+                net_closed(),
+                0,
+                2,
+                Outcome {
+                    tx_errors: 2,
+                    ..Outcome::default()
+                },
+            ),
+            seed(
+                "restore",
+                net_restore(),
+                4,
+                4,
+                Outcome {
+                    tx_frames: 4,
+                    rx_frames: 4,
+                    ..Outcome::default()
+                },
+            ),
+        ]
+    }
 }
 
 #[cfg(test)]
@@ -394,6 +806,7 @@ mod tests {
                 seeds::fuzz_vsock(),
                 vsock::run_and_return_memory,
             ),
+            ("fuzz_net", seeds::fuzz_net(), net::run_and_return_memory),
         ]
     }
 
@@ -434,6 +847,16 @@ mod tests {
                     }
                     seeds::Expect::TxConsumed(n) => {
                         assert_eq!(queue::used_idx(&mem, 1), n, "{target} seed {name}: tx");
+                    }
+                    seeds::Expect::Net {
+                        rx_used,
+                        tx_used,
+                        outcome,
+                    } => {
+                        let used = (queue::used_idx(&mem, 0), queue::used_idx(&mem, 1));
+                        assert_eq!(used, (rx_used, tx_used), "{target} seed {name}: rx, tx");
+                        let (_, got) = net::run_and_return_outcome(&seed.bytes);
+                        assert_eq!(got, outcome, "{target} seed {name}");
                     }
                 }
             }

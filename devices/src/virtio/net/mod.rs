@@ -48,6 +48,11 @@
 //! is not saved (it is lost like a frame on the wire). A restored device may attach to a
 //! different TAP (each clone has its own); the guest keeps the MAC it had.
 //!
+//! # Without a TAP
+//! Tests and fuzz targets build the device with [`Net::with_tap`] on a [`Tap`] made by
+//! [`Tap::from_frame_socket`] (one end of a Unix datagram socket pair, no root needed); the
+//! device itself runs unchanged.
+//!
 //! Not implemented: rate limiting, multiqueue, the control queue.
 
 mod mac;
@@ -280,11 +285,20 @@ impl Net {
     /// Attaches to the configured TAP (in the caller's network namespace).
     pub fn new(config: NetConfig) -> Result<Self, NetError> {
         let mac = config.mac_addr()?;
-        Self::with_mac(config, mac)
+        let tap = Tap::open(&config.tap)?;
+        Self::with_mac(config, mac, tap)
     }
 
-    fn with_mac(config: NetConfig, mac: MacAddr) -> Result<Self, NetError> {
-        let tap = Tap::open(&config.tap)?;
+    /// A device on a TAP the caller already has, for tests and fuzzing (see
+    /// [`Tap::from_frame_socket`]). `config.tap` should be the TAP's name: it labels messages
+    /// and, without `config.mac`, the guest's MAC is derived from it.
+    #[doc(hidden)]
+    pub fn with_tap(config: NetConfig, tap: Tap) -> Result<Self, NetError> {
+        let mac = config.mac_addr()?;
+        Self::with_mac(config, mac, tap)
+    }
+
+    fn with_mac(config: NetConfig, mac: MacAddr, tap: Tap) -> Result<Self, NetError> {
         let evt = || {
             EventFd::new(libc::EFD_NONBLOCK).map_err(|source| NetError::EventFd {
                 tap: config.tap.clone(),
@@ -757,7 +771,8 @@ impl ember_snapshot::Persist for Net {
         if !state.activated && !state.queues.is_empty() {
             return Err(bad("queues saved for a device that was not started".into()));
         }
-        let mut net = Self::with_mac(config, mac)?;
+        let tap = Tap::open(&config.tap)?;
+        let mut net = Self::with_mac(config, mac, tap)?;
         net.acked = state.acked_features;
         if state.activated {
             let Some((mem, interrupt)) = resources else {
@@ -856,5 +871,120 @@ mod tests {
             e.to_string().contains("tap7") && e.to_string().contains("multicast"),
             "{e}"
         );
+    }
+
+    /// The device on a socket pair instead of a TAP (no root needed): the test plays the guest
+    /// driver on mock rings and "the network" on the peer socket.
+    #[test]
+    fn frames_pass_both_ways_through_a_frame_socket() {
+        use std::os::unix::net::UnixDatagram;
+        use std::sync::Mutex;
+
+        use event_manager::{EventManager, SubscriberOps};
+        use virtio_queue::desc::{split::Descriptor, RawDescriptor};
+        use virtio_queue::mock::MockSplitQueue;
+        use vm_memory::{Address, Bytes, GuestAddress};
+
+        const F_WRITE: u16 = 2;
+        const F_NEXT: u16 = 1;
+        let desc =
+            |addr, len, flags, next| RawDescriptor::from(Descriptor::new(addr, len, flags, next));
+
+        let (ours, peer) = UnixDatagram::pair().unwrap();
+        peer.set_nonblocking(true).unwrap();
+        let cfg = NetConfig {
+            tap: "fake0".into(),
+            mac: None,
+        };
+        let mut net = Net::with_tap(cfg, Tap::from_frame_socket(ours, "fake0").unwrap()).unwrap();
+        assert_eq!(net.mac(), MacAddr::derive("fake0"));
+        assert_eq!(net.tap_name(), "fake0");
+
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let rxm = MockSplitQueue::create(&mem, GuestAddress(0), 16);
+        let txm = MockSplitQueue::create(&mem, GuestAddress(0x4000), 16);
+        // Receive: two 2 KiB buffers. Transmit: the header in its own descriptor, like Linux.
+        rxm.add_desc_chains(
+            &[
+                desc(0x2_0000, 2048, F_WRITE, 0),
+                desc(0x2_1000, 2048, F_WRITE, 0),
+            ],
+            0,
+        )
+        .unwrap();
+        // NEEDS_CSUM, csum_start 34, csum_offset 16, and a num_buffers the device must clear.
+        let tx_hdr = [1u8, 0, 0, 0, 0, 0, 34, 0, 16, 0, 7, 0];
+        let tx_body: Vec<u8> = (0..60u8).collect();
+        mem.write_slice(&tx_hdr, GuestAddress(0x3_0000)).unwrap();
+        mem.write_slice(&tx_body, GuestAddress(0x3_1000)).unwrap();
+        txm.add_desc_chains(
+            &[
+                desc(0x3_0000, 12, F_NEXT, 1),
+                desc(0x3_1000, tx_body.len() as u32, 0, 0),
+            ],
+            0,
+        )
+        .unwrap();
+        net.set_acked_features(VIRTIO_F_VERSION_1 | features::CSUM | features::GUEST_CSUM);
+        let irq = Arc::new(Interrupt::new(crate::legacy::EventTrigger::new().unwrap()));
+        let queues = vec![rxm.create_queue().unwrap(), txm.create_queue().unwrap()];
+        net.activate(mem.clone(), irq.clone(), queues).unwrap();
+
+        // From the network: a TSO frame the guest did not accept (dropped), then a frame with
+        // DATA_VALID (kept: GUEST_CSUM was accepted).
+        let mut gso = vec![0u8; VNET_HDR_LEN + 100];
+        gso[..2].copy_from_slice(&[1, 1]);
+        peer.send(&gso).unwrap();
+        let mut frame = vec![0u8; VNET_HDR_LEN];
+        frame[0] = 2;
+        frame.extend((0..80u8).map(|b| b ^ 0x5a));
+        peer.send(&frame).unwrap();
+
+        let net = Arc::new(Mutex::new(net));
+        let mut em = EventManager::<Arc<Mutex<Net>>>::new().unwrap();
+        em.add_subscriber(net.clone());
+        for _ in 0..20 {
+            let m = net.lock().unwrap().metrics();
+            if m.tx_frames == 1 && m.rx_frames == 1 && m.rx_dropped == 1 {
+                break;
+            }
+            em.run_with_timeout(10).unwrap();
+        }
+        let m = net.lock().unwrap().metrics();
+        assert_eq!(
+            (m.tx_frames, m.tx_malformed, m.rx_frames, m.rx_dropped),
+            (1, 0, 1, 1),
+            "{m:?}"
+        );
+
+        // The network got the guest's frame, its header sanitised.
+        let mut buf = [0u8; 256];
+        let n = peer.recv(&mut buf).unwrap();
+        assert_eq!(n, VNET_HDR_LEN + tx_body.len());
+        assert_eq!(buf[..10], tx_hdr[..10]);
+        assert_eq!(buf[10..12], [0, 0]);
+        assert_eq!(buf[12..n], tx_body[..]);
+        assert_eq!(
+            peer.recv(&mut buf).unwrap_err().kind(),
+            io::ErrorKind::WouldBlock,
+            "one frame only"
+        );
+
+        // The guest got the network's frame in its first buffer, with num_buffers 1.
+        let used = txm.used_addr();
+        assert_eq!(mem.read_obj::<u16>(used.unchecked_add(2)).unwrap(), 1);
+        let used = rxm.used_addr();
+        assert_eq!(mem.read_obj::<u16>(used.unchecked_add(2)).unwrap(), 1);
+        assert_eq!(mem.read_obj::<u32>(used.unchecked_add(4)).unwrap(), 0);
+        assert_eq!(
+            mem.read_obj::<u32>(used.unchecked_add(8)).unwrap() as usize,
+            frame.len()
+        );
+        let mut got = vec![0u8; frame.len()];
+        mem.read_slice(&mut got, GuestAddress(0x2_0000)).unwrap();
+        assert_eq!(got[..10], frame[..10]);
+        assert_eq!(got[10..12], [1, 0]);
+        assert_eq!(got[12..], frame[12..]);
+        assert_ne!(irq.status() & interrupt_cause::VRING, 0);
     }
 }

@@ -4,12 +4,17 @@
 //! namespace); the VMM only attaches to it, so it needs no `CAP_NET_ADMIN` when the TAP is owned
 //! by its user. The file descriptor is non-blocking and speaks `virtio_net_hdr_v1` (12 bytes)
 //! in front of every frame, which is what carries checksum and segmentation offloads.
+//!
+//! Tests and fuzz targets can stand a Unix datagram socket in for the TAP
+//! ([`Tap::from_frame_socket`]): one datagram is one frame with its vnet header, as on the TAP,
+//! and the tun ioctls are skipped.
 
 use std::ffi::CString;
 use std::fs::File;
 use std::io::{self, Read};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::net::UnixDatagram;
 
 use vm_memory::VolatileSlice;
 
@@ -83,6 +88,24 @@ pub enum TapError {
         /// Why.
         source: io::Error,
     },
+    /// The socket standing in for a TAP ([`Tap::from_frame_socket`]) cannot be made
+    /// non-blocking.
+    #[error("cannot make the socket standing in for TAP {name} non-blocking: {source}")]
+    FrameSocket {
+        /// The name given to the stand-in.
+        name: String,
+        /// Why.
+        source: io::Error,
+    },
+}
+
+/// What a [`Tap`]'s file descriptor is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    /// A TAP attached through `/dev/net/tun`.
+    Tun,
+    /// A Unix datagram socket standing in for a TAP: no tun ioctls.
+    FrameSocket,
 }
 
 /// An attached TAP interface.
@@ -90,6 +113,7 @@ pub enum TapError {
 pub struct Tap {
     file: File,
     name: String,
+    backend: Backend,
 }
 
 /// Checks `name` the way the kernel's `dev_valid_name` does, for a clear error up front.
@@ -175,6 +199,7 @@ impl Tap {
         let tap = Self {
             file,
             name: name.to_string(),
+            backend: Backend::Tun,
         };
         // TUNSETIFF creates a TAP when none exists; one created here is not persistent and is
         // destroyed when `tap` drops. That only happens if the TAP vanished after the check
@@ -202,6 +227,29 @@ impl Tap {
         Ok(tap)
     }
 
+    /// A stand-in for a TAP over one end of a Unix datagram socket pair, for tests and fuzzing.
+    ///
+    /// A datagram socket keeps frame boundaries, so it behaves like a TAP with `IFF_VNET_HDR`:
+    /// each read returns one frame (truncated to the buffer) and each write sends one, with the
+    /// 12-byte vnet header in front. The offload settings are accepted and ignored: the peer
+    /// sees the headers as the device sanitised them and may send any header back, which the
+    /// device checks against the guest's features as it does for a TAP. The socket is made
+    /// non-blocking; `name` (checked like an interface name) labels it in messages.
+    #[doc(hidden)]
+    pub fn from_frame_socket(sock: UnixDatagram, name: &str) -> Result<Self, TapError> {
+        validate_name(name)?;
+        sock.set_nonblocking(true)
+            .map_err(|source| TapError::FrameSocket {
+                name: name.to_string(),
+                source,
+            })?;
+        Ok(Self {
+            file: File::from(OwnedFd::from(sock)),
+            name: name.to_string(),
+            backend: Backend::FrameSocket,
+        })
+    }
+
     /// The interface name.
     pub fn name(&self) -> &str {
         &self.name
@@ -216,6 +264,9 @@ impl Tap {
     }
 
     fn set_vnet_hdr_len(&self) -> Result<(), TapError> {
+        if self.backend == Backend::FrameSocket {
+            return Ok(());
+        }
         let len = VNET_HDR_LEN as libc::c_int;
         // SAFETY: TUNSETVNETHDRSZ reads one `c_int` through the pointer, which is valid for the
         // duration of the call.
@@ -237,7 +288,11 @@ impl Tap {
     /// Tells the kernel which offloads the reader (the guest) accepts: a combination of
     /// `TUN_F_CSUM`, `TUN_F_TSO4`, `TUN_F_TSO6`, `TUN_F_TSO_ECN`. Frames the host sends to the
     /// TAP are checksummed and segmented by the host stack for whatever is not accepted.
+    /// A no-op on a stand-in made by [`Tap::from_frame_socket`].
     pub fn set_offload(&self, flags: libc::c_uint) -> Result<(), TapError> {
+        if self.backend == Backend::FrameSocket {
+            return Ok(());
+        }
         // SAFETY: TUNSETOFFLOAD takes its argument by value; no memory is passed.
         let r = unsafe {
             libc::ioctl(
@@ -340,5 +395,50 @@ mod tests {
             Err(TapError::OpenTun { .. }) | Err(TapError::Permission { .. }) => {}
             other => panic!("attaching lo as a TAP: {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_frame_socket_stands_in_for_a_tap() {
+        use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
+
+        let (ours, peer) = UnixDatagram::pair().unwrap();
+        assert!(matches!(
+            Tap::from_frame_socket(ours.try_clone().unwrap(), "bad/name"),
+            Err(TapError::InvalidName { .. })
+        ));
+        let tap = Tap::from_frame_socket(ours, "fake0").unwrap();
+        assert_eq!(tap.name(), "fake0");
+        tap.set_offload(libc::TUN_F_CSUM | libc::TUN_F_TSO4)
+            .unwrap();
+        tap.set_offload(0).unwrap();
+
+        // Non-blocking, like the TAP.
+        let mut buf = [0u8; 64];
+        let e = tap.read_frame(&mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+
+        // One datagram is one frame, both ways.
+        peer.send(&[1u8; 30]).unwrap();
+        peer.send(&[2u8; 40]).unwrap();
+        assert_eq!(tap.read_frame(&mut buf).unwrap(), 30);
+        assert_eq!(buf[..30], [1u8; 30]);
+        let mut small = [0u8; 16];
+        assert_eq!(
+            tap.read_frame(&mut small).unwrap(),
+            16,
+            "truncated to the buffer"
+        );
+        let mem = crate::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x1000)]).unwrap();
+        mem.write_slice(&[7u8; 20], GuestAddress(0x100)).unwrap();
+        let body = [
+            mem.get_slice(GuestAddress(0x100), 5).unwrap(),
+            mem.get_slice(GuestAddress(0x105), 15).unwrap(),
+        ];
+        let hdr = [9u8; VNET_HDR_LEN];
+        assert_eq!(tap.write_frame(&hdr, &body).unwrap(), 32);
+        let n = peer.recv(&mut buf).unwrap();
+        assert_eq!(n, 32);
+        assert_eq!(buf[..12], hdr);
+        assert_eq!(buf[12..32], [7u8; 20]);
     }
 }
