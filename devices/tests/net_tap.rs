@@ -717,7 +717,20 @@ fn attach_errors_are_clear() {
         assert!(matches!(e, NetError::Tap(TapError::Busy { .. })), "{e}");
         assert!(e.to_string().contains("tap0"), "{e}");
         drop(first);
-        open("tap0").expect("attach again after the first user left");
+        // Another test thread may fork (`ip ...`) while `first` is open: its child holds a
+        // copy of the TAP fd until it execs (O_CLOEXEC), and the TAP stays busy until then.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            match open("tap0") {
+                Ok(_) => break,
+                Err(NetError::Tap(TapError::Busy { .. }))
+                    if std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(e) => panic!("attach again after the first user left: {e}"),
+            }
+        }
 
         let e = Net::new(NetConfig {
             tap: "tap0".into(),
