@@ -172,7 +172,18 @@ impl Drop for Netns {
 
 /// Runs `body` on a thread inside a fresh network namespace; the namespace is removed
 /// afterwards whether or not `body` panicked.
+/// One TAP test at a time: a test thread forking `ip` while another test holds a TAP gives the
+/// child a copy of that TAP's fd until it execs (O_CLOEXEC), and the TAP then reports busy to a
+/// test that re-attaches after closing it (seen in CI).
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn in_netns(body: impl FnOnce(&Netns) + Send) {
+    let _serial = one_at_a_time();
     if !can_run() {
         return;
     }
@@ -717,20 +728,7 @@ fn attach_errors_are_clear() {
         assert!(matches!(e, NetError::Tap(TapError::Busy { .. })), "{e}");
         assert!(e.to_string().contains("tap0"), "{e}");
         drop(first);
-        // Another test thread may fork (`ip ...`) while `first` is open: its child holds a
-        // copy of the TAP fd until it execs (O_CLOEXEC), and the TAP stays busy until then.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        loop {
-            match open("tap0") {
-                Ok(_) => break,
-                Err(NetError::Tap(TapError::Busy { .. }))
-                    if std::time::Instant::now() < deadline =>
-                {
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                }
-                Err(e) => panic!("attach again after the first user left: {e}"),
-            }
-        }
+        open("tap0").expect("attach again after the first user left");
 
         let e = Net::new(NetConfig {
             tap: "tap0".into(),
@@ -749,6 +747,7 @@ fn attach_errors_are_clear() {
 
 #[test]
 fn the_tap_is_only_visible_inside_its_namespace() {
+    let _serial = one_at_a_time();
     if !can_run() {
         return;
     }
