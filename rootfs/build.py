@@ -1,17 +1,22 @@
 #!/usr/bin/env python3
 """Build an ember root file system image from a template recipe.
 
-Two content-addressed layers under $EMBER_CACHE (default /var/cache/ember):
+Content-addressed entries under $EMBER_CACHE (default /var/cache/ember):
 
   rootfs-base/<key1>/tree     the Debian tree: mmdebstrap from the HOST's apt sources, stripped,
-                              plus the recipe's pip packages and files.
+                              plus the recipe's pip packages and files, the `user` account,
+                              /workspace, Python bytecode and matplotlib's font cache.
                               key1 = sha256(recipe's build part + these build scripts)
-  rootfs/<key2>/rootfs.ext4   the image: the tree + ember-agent as /sbin/ember-agent and /sbin/init,
-                              as ext4 (4 KiB blocks, no journal, no metadata_csum, label ember-root).
-                              key2 = sha256(key1 + the ember-agent binary's bytes)
+  rootfs/<key2>/rootfs.ext4   the image: the tree + ember-agent as /sbin/ember-agent and /sbin/init
+                              + the Python driver (agent/python/*) in /usr/lib/ember, as ext4 (4 KiB
+                              blocks, no journal, no metadata_csum, label ember-root); image.json.
+                              key2 = sha256(key1 + agent bytes + driver files + [vm] disk_mib)
+  rootfs-template/<key3>/     rootfs.ext4 (a hard link to the image) + manifest.json (VM shape,
+                              warm-up, contexts, env, ...: what the template builder reads).
+                              key3 = sha256(key2 + the rest of the recipe)
 
-Progress goes to stderr. On success the last (and only) line on stdout is the image's absolute
-path. See rootfs/README.md for the recipe schema.
+Progress goes to stderr. On success the last (and only) line on stdout is the absolute path of
+rootfs-template/<key3>/rootfs.ext4 (manifest.json is beside it). See rootfs/README.md for the recipe schema.
 """
 
 from __future__ import annotations
@@ -50,6 +55,25 @@ BLOCK = 4096
 INODE_SIZE = 256
 HEADROOM = 64 * 1024 * 1024
 LABEL = "ember-root"
+# With an explicit disk size, at least one inode per this many bytes (mke2fs's default ratio).
+BYTES_PER_INODE = 16384
+
+# What every image carries besides the recipe's packages (see rootfs/README.md).
+DRIVER_SRC = REPO_ROOT / "agent" / "python"   # the Python driver's files (another crate's)
+DRIVER_DEST = "/usr/lib/ember"
+USER_NAME, USER_ID, USER_HOME, USER_SHELL = "user", 1000, "/home/user", "/bin/bash"
+WORKSPACE = "/workspace"
+DEFAULT_OUTPUTS = "/workspace/outputs"
+# Where the matplotlib font cache is built into the image (a recipe's [env] points MPLCONFIGDIR here).
+MPL_CONFIG_DIR = "/etc/ember/matplotlib"
+MANIFEST_VERSION = 1
+
+# Recipe defaults for what the image does not contain (manifest.json only).
+DEFAULT_VCPUS = 1
+DEFAULT_MEMORY_MIB = 512
+DEFAULT_CONTEXTS = [{"id": "default", "language": "python"}]
+DEFAULT_SPARE = {"python": 1, "bash": 1}
+LANGUAGES = ("python", "bash")
 
 MERGED_USR_HOOKS = "/usr/share/mmdebstrap/hooks/merged-usr"
 # dpkg never unpacks these (the rules also stay in the image for later installs).
@@ -151,10 +175,15 @@ def load_recipe(path: Path) -> dict:
     except tomllib.TOMLDecodeError as e:
         raise BuildError(f"template {path} is not valid TOML: {e}") from e
 
-    check_keys(raw, {"name", "description", "debian", "pip", "files", "warmup"}, str(path))
+    check_keys(raw, {"name", "description", "outputs", "debian", "pip", "files", "checks", "vm", "warmup",
+                     "env"}, str(path))
     name = raw.get("name", path.stem)
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise BuildError(f"{path}: name {name!r} must be letters, digits, '.', '_' or '-'")
+    description = raw.get("description", "")
+    if not isinstance(description, str):
+        raise BuildError(f"{path}: description must be a string")
+    outputs = guest_path(raw.get("outputs", DEFAULT_OUTPUTS), f"{path}: outputs")
 
     debian = raw.get("debian")
     if not isinstance(debian, dict):
@@ -203,24 +232,107 @@ def load_recipe(path: Path) -> dict:
                 raise BuildError(f"{where}: cannot read source {src}: {e}") from e
         files.append({"path": dest, "data": data, "mode": parse_mode(entry.get("mode", "0644"), where)})
 
-    warmup = raw.get("warmup", {})
-    if not isinstance(warmup, dict):
-        raise BuildError(f"{path}: [warmup] must be a table")
-    check_keys(warmup, {"code"}, f"{path} [warmup]")
-    code = warmup.get("code", "")
-    if not isinstance(code, str):
-        raise BuildError(f"{path} [warmup]: code must be a string")
+    checks = table(raw, "checks", str(path))
+    check_keys(checks, {"python"}, f"{path} [checks]")
+    python_checks = string_list(checks, "python", f"{path} [checks]")
 
     return {
         "name": name,
-        "description": raw.get("description", ""),
+        "description": description,
         "suite": suite,
         "variant": variant,
         "packages": packages,
         "pip": pip_packages,
         "files": files,
-        "warmup": code,
+        "checks": python_checks,
+        "vm": load_vm(table(raw, "vm", str(path)), f"{path} [vm]"),
+        "warmup": load_warmup(table(raw, "warmup", str(path)), f"{path} [warmup]"),
+        "env": load_env(table(raw, "env", str(path)), f"{path} [env]"),
+        "outputs": outputs,
     }
+
+
+def table(raw: dict, key: str, where: str) -> dict:
+    value = raw.get(key, {})
+    if not isinstance(value, dict):
+        raise BuildError(f"{where}: [{key}] must be a table")
+    return value
+
+
+def guest_path(value, where: str) -> str:
+    if not isinstance(value, str) or not value.startswith("/") or ".." in value.split("/") or "\0" in value:
+        raise BuildError(f"{where} must be an absolute guest path without '..' (got {value!r})")
+    return "/" + "/".join(p for p in value.split("/") if p)
+
+
+def positive_int(tbl: dict, key: str, default, where: str, minimum: int, maximum: int):
+    value = tbl.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise BuildError(f"{where}: {key} must be an integer from {minimum} to {maximum} (got {value!r})")
+    return value
+
+
+def load_vm(vm: dict, where: str) -> dict:
+    check_keys(vm, {"vcpus", "memory_mib", "disk_mib"}, where)
+    return {
+        "vcpus": positive_int(vm, "vcpus", DEFAULT_VCPUS, where, 1, 64),
+        "memory_mib": positive_int(vm, "memory_mib", DEFAULT_MEMORY_MIB, where, 64, 1 << 20),
+        # None: sized to the content (+ headroom) at build time.
+        "disk_mib": positive_int(vm, "disk_mib", None, where, 16, 1 << 24),
+    }
+
+
+def load_env(env: dict, where: str) -> dict:
+    for k, v in env.items():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            raise BuildError(f"{where}: {k!r} is not an environment variable name")
+        if not isinstance(v, str) or "\0" in v:
+            raise BuildError(f"{where}: {k} must be a string (without NUL)")
+    return dict(sorted(env.items()))
+
+
+def load_warmup(warmup: dict, where: str) -> dict:
+    check_keys(warmup, {"code", "contexts", "spare"}, where)
+    code = warmup.get("code", "")
+    if not isinstance(code, str):
+        raise BuildError(f"{where}: code must be a string")
+
+    raw_contexts = warmup.get("contexts", DEFAULT_CONTEXTS)
+    if not isinstance(raw_contexts, list):
+        raise BuildError(f"{where}: contexts must be a list of tables such as {{id = \"default\", language = \"python\"}}")
+    contexts, ids = [], set()
+    for i, ctx in enumerate(raw_contexts):
+        cwhere = f"{where} contexts #{i + 1}"
+        if not isinstance(ctx, dict):
+            raise BuildError(f"{cwhere}: must be a table such as {{id = \"default\", language = \"python\"}}")
+        check_keys(ctx, {"id", "language", "cwd", "env"}, cwhere)
+        cid = ctx.get("id")
+        if not isinstance(cid, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", cid):
+            raise BuildError(f"{cwhere}: id must be 1-64 letters, digits, '.', '_' or '-' (got {cid!r})")
+        if cid in ids:
+            raise BuildError(f"{cwhere}: duplicate context id {cid!r}")
+        ids.add(cid)
+        language = ctx.get("language", "python")
+        if language not in LANGUAGES:
+            raise BuildError(f"{cwhere}: language must be one of {', '.join(LANGUAGES)} (got {language!r})")
+        out = {"id": cid, "language": language}
+        if "cwd" in ctx:
+            out["cwd"] = guest_path(ctx["cwd"], f"{cwhere}: cwd")
+        if "env" in ctx:
+            if not isinstance(ctx["env"], dict):
+                raise BuildError(f"{cwhere}: env must be a table")
+            out["env"] = load_env(ctx["env"], f"{cwhere} env")
+        contexts.append(out)
+
+    raw_spare = warmup.get("spare", {})
+    if not isinstance(raw_spare, dict):
+        raise BuildError(f"{where}: spare must be a table such as {{python = 1, bash = 1}}")
+    check_keys(raw_spare, set(LANGUAGES), f"{where} spare")
+    spare = {lang: positive_int(raw_spare, lang, DEFAULT_SPARE[lang], f"{where} spare", 0, 64)
+             for lang in LANGUAGES}
+    return {"code": code, "contexts": contexts, "spare": spare}
 
 
 def base_key(recipe: dict) -> str:
@@ -230,6 +342,7 @@ def base_key(recipe: dict) -> str:
         "variant": recipe["variant"],
         "packages": recipe["packages"],
         "pip": recipe["pip"],
+        "checks": recipe["checks"],
         "files": [
             {"path": f["path"], "mode": f["mode"], "sha256": hashlib.sha256(f["data"]).hexdigest()}
             for f in recipe["files"]
@@ -243,12 +356,53 @@ def base_key(recipe: dict) -> str:
     return h.hexdigest()
 
 
-def image_key(key1: str, agent: Path) -> str:
+def driver_files(src: Path = DRIVER_SRC) -> list[tuple[str, Path]]:
+    """The Python driver's files, (name, path) sorted by name: the regular files directly in
+    agent/python/ except hidden ones and bytecode. A missing directory is the empty set."""
+    if not src.is_dir():
+        return []
+    out = []
+    for p in sorted(src.iterdir()):
+        if p.name.startswith(".") or p.suffix in (".pyc", ".pyo") or not p.is_file():
+            continue
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", p.name):
+            raise BuildError(f"{p}: unexpected file name for a file installed in {DRIVER_DEST}")
+        out.append((p.name, p))
+    return out
+
+
+def image_key(key1: str, agent: Path, recipe: dict, drivers: list[tuple[str, Path]]) -> str:
+    """Key of layer 2: the tree, the agent's bytes, the driver files and the disk size."""
     h = hashlib.sha256()
     h.update(key1.encode() + b"\0")
     with open(agent, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
+    h.update(b"\0")
+    h.update(json.dumps({
+        "disk_mib": recipe["vm"]["disk_mib"],
+        "drivers": [[name, sha256_file(path)] for name, path in drivers],
+    }, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def template_part(recipe: dict) -> dict:
+    """What manifest.json says about running the image, beyond the image itself."""
+    return {
+        "template": recipe["name"],
+        "description": recipe["description"],
+        "vm": {"vcpus": recipe["vm"]["vcpus"], "memory_mib": recipe["vm"]["memory_mib"]},
+        "warmup": recipe["warmup"],
+        "env": recipe["env"],
+        "outputs": recipe["outputs"],
+    }
+
+
+def template_key(key2: str, recipe: dict) -> str:
+    """Key of the template entry: the image plus everything else manifest.json says."""
+    h = hashlib.sha256()
+    h.update(key2.encode() + b"\0")
+    h.update(json.dumps(template_part(recipe), sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -413,6 +567,7 @@ def build_base(recipe: dict, key1: str, cache: Path, rebuild: bool) -> Path:
                 "variant": recipe["variant"],
                 "packages": recipe["packages"],
                 "pip": recipe["pip"],
+                "checks": recipe["checks"],
                 "files": [f["path"] for f in recipe["files"]],
                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "build_seconds": round(time.monotonic() - t0, 1),
@@ -521,6 +676,8 @@ def finish_tree(recipe: dict, tree: Path) -> None:
     # The root is read-only; /run is a tmpfs, so whoever sets up networking writes it there.
     resolv.symlink_to("/run/resolv.conf")
 
+    add_user(tree)
+
     for f in recipe["files"]:
         dest = tree / f["path"].lstrip("/")
         # Never follow a link: /var/run -> /run in the tree would lead onto the build host.
@@ -537,14 +694,144 @@ def finish_tree(recipe: dict, tree: Path) -> None:
         os.chown(dest, 0, 0)
         os.chmod(dest, f["mode"])
 
-    # Fail early if the tree cannot run Python at all.
-    if "python3" in recipe["packages"]:
-        chroot_check(tree, ["/usr/bin/python3", "-B", "-c", "print(1)"], "1")
+    if (tree / "usr/bin/python3").exists():
+        python_steps(recipe, tree)
+
+
+def add_user(tree: Path) -> None:
+    """The unprivileged account (uid/gid 1000) for exec's `user` option, and its home.
+
+    Written straight into the account files (no useradd: deterministic, and works in any variant)."""
+    etc = tree / "etc"
+    for name in ("passwd", "group", "shadow", "gshadow"):
+        f = etc / name
+        if f.exists():
+            for line in f.read_text().splitlines():
+                fields = line.split(":")
+                if fields[0] == USER_NAME or (name in ("passwd", "group") and len(fields) > 2
+                                              and fields[2] == str(USER_ID)):
+                    raise BuildError(f"/etc/{name} already has {line!r}; cannot add {USER_NAME} ({USER_ID})")
+    lines = {
+        "passwd": f"{USER_NAME}:x:{USER_ID}:{USER_ID}::{USER_HOME}:{USER_SHELL}",
+        "group": f"{USER_NAME}:x:{USER_ID}:",
+        # Locked (no password login); lastchg empty: no password aging (0 would force a change).
+        "shadow": ":".join([USER_NAME, "!"] + [""] * 7),
+        "gshadow": f"{USER_NAME}:!::",
+    }
+    for name, line in lines.items():
+        f = etc / name
+        if not f.exists() and name == "gshadow":
+            continue
+        text = f.read_text() if f.exists() else ""
+        f.write_text(text + ("" if text.endswith("\n") or not text else "\n") + line + "\n")
+    home = tree / USER_HOME.lstrip("/")
+    home.mkdir(parents=True, exist_ok=True)
+    skel = tree / "etc/skel"
+    if skel.is_dir():
+        for p in skel.iterdir():
+            if p.is_file() and not p.is_symlink():
+                shutil.copyfile(p, home / p.name)
+                os.chown(home / p.name, USER_ID, USER_ID)
+                os.chmod(home / p.name, 0o644)
+    os.chown(home, USER_ID, USER_ID)
+    os.chmod(home, 0o755)
+    # The sandbox's working directory: code runs as root by default and as `user` on request;
+    # both must be able to write there (and to delete what the other wrote).
+    for d in (WORKSPACE, DEFAULT_OUTPUTS):
+        p = tree / d.lstrip("/")
+        p.mkdir(parents=True, exist_ok=True)
+        os.chown(p, USER_ID, USER_ID)
+        os.chmod(p, 0o777)
+
+
+# Compiles what has no bytecode yet on the interpreter's own path (Debian's py3compile normally
+# did it in the packages' postinst); prints "<missing before> <failed>".
+COMPILE_SCRIPT = r"""
+import compileall, importlib.util, os, sys
+dirs = [d for d in sys.path if d.startswith("/usr/") and os.path.isdir(d)]
+def missing():
+    n = 0
+    for d in dirs:
+        for root, subdirs, files in os.walk(d):
+            subdirs[:] = [s for s in subdirs if s != "__pycache__" and s.isidentifier()]
+            for f in files:
+                if f.endswith(".py") and not os.path.exists(importlib.util.cache_from_source(os.path.join(root, f))):
+                    n += 1
+    return n
+before = missing()
+if before:
+    for d in dirs:
+        compileall.compile_dir(d, quiet=2, workers=1)
+print(before, missing())
+"""
+
+# Builds matplotlib's font cache into the image and renders one figure (Agg).
+MPL_SCRIPT = r"""
+import io, matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+fig = plt.figure(); plt.plot([1, 2]); fig.savefig(io.BytesIO(), format="png"); plt.close(fig)
+print(matplotlib.get_cachedir())
+"""
+
+
+def python_steps(recipe: dict, tree: Path) -> None:
+    """Python checks, bytecode and matplotlib's font cache: the guest can afford none at import."""
+    chroot_check(tree, ["/usr/bin/python3", "-B", "-c", "print(1)"], "1")
+
+    res = chroot_run(tree, ["/usr/bin/python3", "-c", COMPILE_SCRIPT])
+    words = res.stdout.split()
+    if res.returncode != 0 or len(words) != 2:
+        raise BuildError(f"compiling Python bytecode in the tree failed: {(res.stdout + res.stderr).strip()[-500:]}")
+    before, after = int(words[0]), int(words[1])
+    log(f"python bytecode: {before} module(s) had none" + (f"; compiled, {after} fail to compile (skipped)"
+                                                            if before else ""))
+
+    if glob.glob(str(tree / "usr/lib/python3/dist-packages/IPython/__init__.py")) or \
+            glob.glob(str(tree / "usr/local/lib/python3*/dist-packages/IPython/__init__.py")):
+        chroot_check(tree, ["/usr/bin/python3", "-c", "import IPython; print('ok')"], "ok")
+
+    if glob.glob(str(tree / "usr/lib/python3/dist-packages/matplotlib/__init__.py")) or \
+            glob.glob(str(tree / "usr/local/lib/python3*/dist-packages/matplotlib/__init__.py")):
+        cfg = tree / MPL_CONFIG_DIR.lstrip("/")
+        cfg.mkdir(parents=True, exist_ok=True)
+        env = {"MPLCONFIGDIR": MPL_CONFIG_DIR}
+        t0 = time.monotonic()
+        for attempt in ("build", "check"):
+            res = chroot_run(tree, ["/usr/bin/python3", "-c", MPL_SCRIPT], env)
+            if res.returncode != 0 or res.stdout.strip() != MPL_CONFIG_DIR:
+                raise BuildError(f"matplotlib in the tree ({attempt}, MPLCONFIGDIR={MPL_CONFIG_DIR}) failed: "
+                                 f"{(res.stdout + res.stderr).strip()[-500:]}")
+            if attempt == "check" and "font cache" in res.stderr:
+                raise BuildError(f"matplotlib rebuilt its font cache on a second import: {res.stderr.strip()[-300:]}")
+        if not glob.glob(str(cfg / "fontlist-*.json")):
+            raise BuildError(f"matplotlib wrote no fontlist-*.json into {MPL_CONFIG_DIR}")
+        for root, dirs, files in os.walk(cfg):
+            for name in dirs + files:
+                os.chmod(os.path.join(root, name), 0o755 if name in dirs else 0o644)
+        log(f"matplotlib font cache built in {MPL_CONFIG_DIR} ({time.monotonic() - t0:.1f}s)")
+
+    # Not with the recipe's [env]: that is not part of layer 1's key.
+    check_env = {"MPLCONFIGDIR": MPL_CONFIG_DIR} if (tree / MPL_CONFIG_DIR.lstrip("/")).is_dir() else {}
+    for code in recipe["checks"]:
+        res = chroot_run(tree, ["/usr/bin/python3", "-c", code], check_env)
+        if res.returncode != 0:
+            raise BuildError(f"[checks] python {code!r} failed in the tree (status {res.returncode}): "
+                             f"{(res.stdout + res.stderr).strip()[-500:]}")
+        log(f"check passed: {code}")
+
+
+def chroot_run(tree: Path, argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "LANG": "C.UTF-8", **(env or {})}
+    try:
+        return subprocess.run(["chroot", str(tree), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=full_env)
+    except FileNotFoundError as e:
+        raise BuildError(f"cannot run chroot: {e}") from e
 
 
 def chroot_check(tree: Path, argv: list[str], expect: str | None) -> None:
-    res = subprocess.run(["chroot", str(tree), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"})
+    res = chroot_run(tree, argv)
     if res.returncode != 0 or (expect is not None and res.stdout.strip() != expect):
         raise BuildError(f"check `chroot {tree} {shlex.join(argv)}` failed (status {res.returncode}): "
                          f"{(res.stdout + res.stderr).strip()[:500]}")
@@ -577,6 +864,16 @@ def build_agent() -> Path:
     if has_interpreter(exe):
         raise BuildError(f"{exe} is dynamically linked (has PT_INTERP); it must be static")
     return exe
+
+
+def prebuilt_agent(path: Path) -> Path:
+    path = path.resolve()
+    if not path.is_file():
+        raise BuildError(f"--agent {path}: no such file")
+    if has_interpreter(path):
+        raise BuildError(f"--agent {path} is dynamically linked (has PT_INTERP); it must be static")
+    log(f"using the prebuilt agent {path}")
+    return path
 
 
 def has_interpreter(path: Path) -> bool:
@@ -636,12 +933,50 @@ def install_agent(staging: Path, agent: Path) -> None:
     init.symlink_to("ember-agent")
 
 
-def build_image(recipe: dict, key1: str, base_tree: Path, agent: Path, key2: str, cache: Path,
-                rebuild: bool) -> Path:
+def install_drivers(staging: Path, drivers: list[tuple[str, Path]]) -> None:
+    """The Python driver's files as /usr/lib/ember/<name> (0644), with their bytecode."""
+    dest_dir = staging / DRIVER_DEST.lstrip("/")
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    for name, src in drivers:
+        dest = dest_dir / name
+        tmp = dest_dir / f".{name}.tmp"
+        shutil.copyfile(src, tmp)
+        os.chown(tmp, 0, 0)
+        os.chmod(tmp, 0o644)
+        tmp.rename(dest)  # a file from layer 1 here would be a hard link: never write into it
+    if any(name.endswith(".py") for name, _ in drivers) and (staging / "usr/bin/python3").exists():
+        res = chroot_run(staging, ["/usr/bin/python3", "-c",
+                                   f"import compileall, sys; sys.exit(not compileall.compile_dir({DRIVER_DEST!r}, "
+                                   "quiet=1, maxlevels=0))"])
+        if res.returncode != 0:
+            raise BuildError(f"the Python driver files do not compile: {(res.stdout + res.stderr).strip()[-800:]}")
+
+
+def image_size(data: int, inodes: int, disk_mib: int | None) -> tuple[int, int]:
+    """(image bytes, inode count) for `data` bytes of blocks and `inodes` inodes of content.
+
+    Without disk_mib: the content (+10 % inodes, inode tables, +2 %) plus HEADROOM, rounded up to
+    4 MiB. With it: exactly disk_mib MiB, with at least one inode per BYTES_PER_INODE."""
+    inodes = inodes + max(1024, inodes // 10)
+    if disk_mib is None:
+        size = data + inodes * INODE_SIZE + data // 50 + HEADROOM
+        return math.ceil(size / (4 << 20)) * (4 << 20), inodes
+    size = disk_mib << 20
+    inodes = max(inodes, size // BYTES_PER_INODE)
+    needed = data + inodes * INODE_SIZE + data // 50
+    if needed > size:
+        raise BuildError(f"the content does not fit in [vm] disk_mib = {disk_mib}: it needs about "
+                         f"{math.ceil(needed / 2**20)} MiB ({data / 2**20:.0f} MiB of data, {inodes} inodes); "
+                         f"raise disk_mib or leave it out to size the image to the content")
+    return size, inodes
+
+
+def build_image(recipe: dict, key1: str, base_tree: Path, agent: Path, drivers: list[tuple[str, Path]],
+                key2: str, cache: Path, rebuild: bool) -> Path:
     final_dir = cache / "rootfs" / key2
     image = final_dir / "rootfs.ext4"
     with lock(cache, f"image-{key2}"):
-        if image.exists() and not rebuild:
+        if image.exists() and (final_dir / "image.json").exists() and not rebuild:
             log(f"layer 2 (image) cached: {image}")
             return image
         if os.geteuid() != 0:
@@ -658,11 +993,12 @@ def build_image(recipe: dict, key1: str, base_tree: Path, agent: Path, key2: str
             install_agent(staging, agent)
             chroot_check(staging, ["/sbin/ember-agent", "--help"], None)
             chroot_check(staging, ["/sbin/init", "--version"], None)
+            install_drivers(staging, drivers)
+            if not drivers:
+                log(f"no Python driver files in {DRIVER_SRC} (yet): none installed in {DRIVER_DEST}")
 
-            data, inodes = tree_size(staging)
-            inodes = inodes + max(1024, inodes // 10)
-            size = data + inodes * INODE_SIZE + data // 50 + HEADROOM
-            size = math.ceil(size / (4 << 20)) * (4 << 20)
+            data, content_inodes = tree_size(staging)
+            size, inodes = image_size(data, content_inodes, recipe["vm"]["disk_mib"])
             fs_uuid = str(uuid.UUID(key2[:32]))
             final_dir.mkdir(parents=True, exist_ok=True)
             tmp_image = final_dir / f"rootfs.ext4.tmp.{os.getpid()}"
@@ -670,26 +1006,33 @@ def build_image(recipe: dict, key1: str, base_tree: Path, agent: Path, key2: str
                 tmp_image.unlink()
             log(f"mkfs.ext4: {data / 2**20:.0f} MiB of data, {inodes} inodes, image {size >> 20} MiB")
             try:
-                run(["mkfs.ext4", "-q", "-F", "-t", "ext4", "-b", str(BLOCK), "-I", str(INODE_SIZE),
-                     "-N", str(inodes), "-m", "0", "-L", LABEL, "-U", fs_uuid,
-                     "-O", "^has_journal,^metadata_csum,^resize_inode",
-                     "-E", f"root_owner=0:0,hash_seed={fs_uuid}",
-                     "-d", str(staging), str(tmp_image), f"{size // 1024}k"])
-                verify_image(tmp_image, staging)
-                manifest = {
-                    "template": recipe["name"],
-                    "description": recipe["description"],
-                    "key": key2,
+                try:
+                    run(["mkfs.ext4", "-q", "-F", "-t", "ext4", "-b", str(BLOCK), "-I", str(INODE_SIZE),
+                         "-N", str(inodes), "-m", "0", "-L", LABEL, "-U", fs_uuid,
+                         "-O", "^has_journal,^metadata_csum,^resize_inode",
+                         "-E", f"root_owner=0:0,hash_seed={fs_uuid}",
+                         "-d", str(staging), str(tmp_image), f"{size // 1024}k"])
+                except BuildError as e:
+                    if recipe["vm"]["disk_mib"] is not None:
+                        raise BuildError(f"{e} (the content, {data / 2**20:.0f} MiB, may not fit in "
+                                         f"[vm] disk_mib = {recipe['vm']['disk_mib']})") from e
+                    raise
+                verify_image(tmp_image, staging, drivers)
+                facts = {
+                    "image_key": key2,
                     "base_key": key1,
                     "agent_sha256": sha256_file(agent),
+                    "drivers": {f"{DRIVER_DEST}/{name}": sha256_file(path) for name, path in drivers},
                     "image_bytes": size,
+                    "content_bytes": data,
+                    "matplotlib_config_dir": MPL_CONFIG_DIR if glob.glob(
+                        str(staging / MPL_CONFIG_DIR.lstrip("/") / "fontlist-*.json")) else None,
                     "label": LABEL,
                     "uuid": fs_uuid,
-                    "warmup": recipe["warmup"],
                     "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "build_seconds": round(time.monotonic() - t0, 1),
                 }
-                (final_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+                write_json_atomic(final_dir / "image.json", facts)
                 os.chmod(tmp_image, 0o644)
                 tmp_image.rename(image)
             finally:
@@ -701,8 +1044,79 @@ def build_image(recipe: dict, key1: str, base_tree: Path, agent: Path, key2: str
         return image
 
 
-def verify_image(image: Path, staging: Path) -> None:
-    """fsck, and the agent and /sbin/init inside the image are what was installed."""
+def write_json_atomic(path: Path, value) -> None:
+    tmp = path.parent / f".{path.name}.tmp.{os.getpid()}"
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    tmp.rename(path)
+
+
+def manifest(recipe: dict, key1: str, key2: str, key3: str, facts: dict) -> dict:
+    """manifest.json: everything the host-side template builder and runtime read (README.md)."""
+    driver = f"{DRIVER_DEST}/ember_driver.py"
+    part = template_part(recipe)
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "template": part["template"],
+        "description": part["description"],
+        "key": key3,
+        "image_key": key2,
+        "base_key": key1,
+        "image": "rootfs.ext4",
+        "image_bytes": facts["image_bytes"],
+        "content_bytes": facts["content_bytes"],
+        "label": facts["label"],
+        "uuid": facts["uuid"],
+        "agent_sha256": facts["agent_sha256"],
+        "vm": {**part["vm"], "disk_mib": facts["image_bytes"] >> 20},
+        "warmup": part["warmup"],
+        "env": part["env"],
+        "outputs": part["outputs"],
+        "workspace": WORKSPACE,
+        "user": {"name": USER_NAME, "uid": USER_ID, "gid": USER_ID, "home": USER_HOME, "shell": USER_SHELL},
+        "python_driver": driver if driver in facts["drivers"] else None,
+        "matplotlib_config_dir": facts.get("matplotlib_config_dir"),
+        "driver_files": facts["drivers"],
+        "debian": {"suite": recipe["suite"], "variant": recipe["variant"], "packages": recipe["packages"]},
+        "pip": recipe["pip"],
+        "image_built_at": facts["built_at"],
+    }
+
+
+def build_template(recipe: dict, key1: str, key2: str, key3: str, image: Path, cache: Path,
+                   rebuild: bool) -> Path:
+    """The template entry: the image (hard link) and manifest.json, in a directory of their own, so
+    that templates sharing an image (differing only in [vm], [warmup], [env], ...) never share a
+    manifest."""
+    final = cache / "rootfs-template" / key3
+    with lock(cache, f"template-{key3}"):
+        if (final / "manifest.json").exists() and (final / "rootfs.ext4").exists() and not rebuild:
+            log(f"template entry cached: {final}")
+            return final / "rootfs.ext4"
+        facts = json.loads((image.parent / "image.json").read_text())
+        mpl = facts.get("matplotlib_config_dir")
+        if mpl and recipe["env"].get("MPLCONFIGDIR") != mpl:
+            log(f"warning: the image has matplotlib's font cache in {mpl} but [env] does not set "
+                f"MPLCONFIGDIR = \"{mpl}\": code in the guest would rebuild it")
+        work = cache / "tmp" / f"template-{key3[:16]}.{os.getpid()}"
+        remove_tree(work)
+        work.mkdir(parents=True)
+        try:
+            os.link(image, work / "rootfs.ext4")
+            write_json_atomic(work / "manifest.json", manifest(recipe, key1, key2, key3, facts))
+            final.parent.mkdir(parents=True, exist_ok=True)
+            if final.exists():
+                old = cache / "tmp" / f"old-template-{key3[:16]}.{os.getpid()}"
+                final.rename(old)
+                remove_tree(old)
+            work.rename(final)
+        finally:
+            remove_tree(work)
+        log(f"template entry: {final}")
+        return final / "rootfs.ext4"
+
+
+def verify_image(image: Path, staging: Path, drivers: list[tuple[str, Path]]) -> None:
+    """fsck, and the agent, /sbin/init and the driver files inside the image are what was installed."""
     run(["e2fsck", "-fn", str(image)], stderr=subprocess.PIPE)
     res = run(["debugfs", "-R", "stat /usr/sbin/init", str(image)],
               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -714,6 +1128,11 @@ def verify_image(image: Path, staging: Path) -> None:
             stderr=subprocess.DEVNULL)
         if sha256_file(dumped) != sha256_file(staging / "usr/sbin/ember-agent"):
             raise BuildError(f"{image}: /usr/sbin/ember-agent differs from the installed binary")
+        for name, src in drivers:
+            dumped.unlink()
+            run(["debugfs", "-R", f"dump {DRIVER_DEST}/{name} {dumped}", str(image)], stderr=subprocess.DEVNULL)
+            if sha256_file(dumped) != sha256_file(src):
+                raise BuildError(f"{image}: {DRIVER_DEST}/{name} differs from {src}")
     finally:
         with contextlib.suppress(FileNotFoundError):
             dumped.unlink()
@@ -736,8 +1155,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--template", default="default",
                         help="template name in rootfs/templates/ or a path to a .toml (default: default)")
     parser.add_argument("--print-key", action="store_true",
-                        help="print the image's cache key and exit without building the image "
+                        help="print the template's cache key (image + manifest) and exit without building "
                              "(the agent is still built: its bytes are part of the key)")
+    parser.add_argument("--agent", metavar="PATH", type=Path,
+                        help="use this static ember-agent binary instead of building it with cargo "
+                             "(its bytes are part of the image key all the same)")
     parser.add_argument("--rebuild", action="store_true",
                         help="rebuild both layers even if cached (e.g. to pick up Debian updates)")
     args = parser.parse_args(argv)
@@ -745,16 +1167,19 @@ def main(argv: list[str]) -> int:
     cache = Path(os.environ.get("EMBER_CACHE") or "/var/cache/ember").resolve()
     recipe = load_recipe(template_path(args.template))
     key1 = base_key(recipe)
-    agent = build_agent()
-    key2 = image_key(key1, agent)
+    agent = prebuilt_agent(args.agent) if args.agent else build_agent()
+    drivers = driver_files()
+    key2 = image_key(key1, agent, recipe, drivers)
+    key3 = template_key(key2, recipe)
     if args.print_key:
-        log(f"template {recipe['name']}: layer 1 key {key1}")
-        print(key2)
+        log(f"template {recipe['name']}: layer 1 key {key1}, image key {key2}")
+        print(key3)
         return 0
-    log(f"template {recipe['name']}: layer 1 key {key1[:16]}, image key {key2[:16]}, cache {cache}")
+    log(f"template {recipe['name']}: layer 1 key {key1[:16]}, image key {key2[:16]}, "
+        f"template key {key3[:16]}, cache {cache}")
     base_tree = build_base(recipe, key1, cache, args.rebuild)
-    image = build_image(recipe, key1, base_tree, agent, key2, cache, args.rebuild)
-    print(image)
+    image = build_image(recipe, key1, base_tree, agent, drivers, key2, cache, args.rebuild)
+    print(build_template(recipe, key1, key2, key3, image, cache, args.rebuild))
     return 0
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets a fresh Debian 12 machine up to run ember: host packages, the release binaries, the
-# guest kernel and the default root filesystem (both cached in $EMBER_CACHE).
+# guest kernel, the default root filesystem and the default template (all cached in
+# $EMBER_CACHE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pkgs=(build-essential flex bison bc libelf-dev libssl-dev linux-source-6.1 xz-utils lz4
@@ -18,3 +19,5 @@ echo "ember: building the release binaries" >&2
 cargo build --release --workspace --bins
 echo "ember: building (or finding in the cache) the guest kernel and rootfs" >&2
 target/release/ember images
+echo "ember: building (or finding in the cache) the default template (boot, warm-up, snapshot)" >&2
+target/release/ember template build default

@@ -365,3 +365,60 @@ pub fn sha256_hex(data: &[u8]) -> String {
     p.update(data);
     p.finish()
 }
+
+/// Template `name`, built (once, then cached in `$EMBER_CACHE/templates`) with the test kernel
+/// and this build's VMM. Build progress goes to stderr.
+pub fn template(name: &str) -> ember_sandbox::Template {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static BUILT: OnceLock<Mutex<HashMap<String, ember_sandbox::Template>>> = OnceLock::new();
+    let built = BUILT.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut built = built.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(t) = built.get(name) {
+        return t.clone();
+    }
+    let opts = ember_sandbox::BuildOptions {
+        kernel: Some(kernel()),
+        vmm: Some(bin("ember-vmm")),
+        ..Default::default()
+    };
+    let t0 = std::time::Instant::now();
+    let t = ember_sandbox::Template::build(name, &opts, &mut |ev| {
+        eprintln!(
+            "[template {name} {:6.1}s] {ev:?}",
+            t0.elapsed().as_secs_f64()
+        )
+    })
+    .unwrap_or_else(|e| panic!("template {name}: {e}"));
+    built.insert(name.into(), t.clone());
+    t
+}
+
+/// A new sandbox from template `name`, with this build's VMM.
+pub fn sandbox(name: &str) -> ember_sandbox::Sandbox {
+    let t = template(name);
+    let opts = ember_sandbox::SandboxOptions {
+        vmm: Some(bin("ember-vmm")),
+        ..Default::default()
+    };
+    ember_sandbox::Sandbox::create(&t, &opts).unwrap_or_else(|e| panic!("sandbox from {name}: {e}"))
+}
+
+/// Runs `code` in the default context of `sb`, asserting the call itself worked.
+pub fn run(sb: &ember_sandbox::Sandbox, code: &str) -> ember_sandbox::Execution {
+    sb.run(code)
+        .unwrap_or_else(|e| panic!("run_code {code:?}: {e}"))
+}
+
+/// Decodes `png` fully; returns (width, height, number of distinct pixel values).
+pub fn decode_png(png: &[u8]) -> (u32, u32, usize) {
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG (magic)");
+    let decoder = png::Decoder::new(std::io::Cursor::new(png));
+    let mut reader = decoder.read_info().expect("PNG header");
+    let mut buf = vec![0; reader.output_buffer_size()];
+    let info = reader.next_frame(&mut buf).expect("PNG data decodes");
+    let bpp = info.line_size / info.width as usize;
+    let distinct: std::collections::HashSet<&[u8]> =
+        buf[..info.buffer_size()].chunks(bpp.max(1)).collect();
+    (info.width, info.height, distinct.len())
+}

@@ -20,8 +20,9 @@ use serde::Serialize;
 use thiserror::Error;
 
 use crate::protocol::{
-    self, Call, EndStatus, ErrorCode, ErrorInfo, Event, EventKind, ExecRequest, ExitStatus,
-    FrameError, FrameReader, Pong, SyncRequest, Synced, CONNECTION_ID, MAX_FRAME,
+    self, Call, ContextCreateRequest, ContextInfo, ContextRef, EndStatus, ErrorCode, ErrorInfo,
+    Event, EventKind, ExecRequest, ExitStatus, Frame, FrameError, FrameReader, Pong,
+    RunCodeRequest, SyncRequest, Synced, WarmupRequest, CONNECTION_ID, MAX_BINARY_CHUNK, MAX_FRAME,
 };
 
 /// A byte stream whose blocking reads and writes can be given a timeout.
@@ -186,7 +187,19 @@ pub struct Client<S> {
     next_id: u64,
     limits: ClientLimits,
     broken: Option<String>,
+    /// `file_read` calls abandoned before their data ended: their late binary frames are
+    /// skipped (any other binary frame is a protocol violation).
+    abandoned_reads: std::collections::BTreeSet<u64>,
+    /// `execution_count` and `duration_ms` of the last `end` received (`run_code`).
+    last_end: (Option<u64>, Option<u64>),
 }
+
+/// Receives a `file_read`'s binary frames (an empty slice ends the data).
+pub(crate) type DataSink<'a> = &'a mut dyn FnMut(&[u8]) -> Result<(), ClientError>;
+
+#[path = "client_files.rs"]
+mod files_api;
+pub use files_api::{FileWriteOptions, ProcessEnd};
 
 fn remaining(deadline: Instant) -> Option<Duration> {
     let left = deadline.saturating_duration_since(Instant::now());
@@ -230,10 +243,12 @@ impl<S: Transport> Client<S> {
     pub fn with_limits(stream: S, limits: ClientLimits) -> Self {
         Self {
             stream,
-            reader: FrameReader::new(limits.max_frame),
+            reader: FrameReader::new(limits.max_frame).with_binary_limit(MAX_BINARY_CHUNK as u32),
             next_id: 1,
             limits,
             broken: None,
+            abandoned_reads: std::collections::BTreeSet::new(),
+            last_end: (None, None),
         }
     }
 
@@ -246,7 +261,7 @@ impl<S: Transport> Client<S> {
     pub fn set_limits(&mut self, limits: ClientLimits) {
         self.limits = limits;
         let buffered = self.reader.buffered().to_vec();
-        self.reader = FrameReader::new(limits.max_frame);
+        self.reader = FrameReader::new(limits.max_frame).with_binary_limit(MAX_BINARY_CHUNK as u32);
         // Keep bytes already received; they belong to the next frames.
         let mut rest = &buffered[..];
         while !rest.is_empty() {
@@ -401,13 +416,42 @@ impl<S: Transport> Client<S> {
         timeout: Duration,
         what: &str,
     ) -> Result<Event, ClientError> {
+        self.next_message(deadline, timeout, what, None)
+    }
+
+    /// The next event; binary frames of call `data.0` go to `data.1`, those of abandoned
+    /// reads are skipped, any other is a protocol violation.
+    fn next_message(
+        &mut self,
+        deadline: Instant,
+        timeout: Duration,
+        what: &str,
+        mut data: Option<(u64, DataSink<'_>)>,
+    ) -> Result<Event, ClientError> {
         loop {
-            match self.reader.next_buffered() {
-                Ok(Some(body)) => {
+            match self.reader.next_any() {
+                Ok(Some(Frame::Json(body))) => {
                     return protocol::decode_event(body).map_err(|e| {
                         self.broken = Some(format!("undecodable event: {e}"));
                         ClientError::Decode(e)
                     })
+                }
+                Ok(Some(Frame::Binary { id, data: bytes })) => {
+                    match &mut data {
+                        Some((want, sink)) if *want == id => sink(bytes)?,
+                        _ if self.abandoned_reads.contains(&id) => {
+                            if bytes.is_empty() {
+                                self.abandoned_reads.remove(&id);
+                            }
+                        }
+                        _ => {
+                            let message = format!("binary frame for call {id} in a {what} call");
+                            self.broken = Some(message.clone());
+                            return Err(ClientError::Protocol(message));
+                        }
+                    }
+                    // More frames may be buffered already.
+                    continue;
                 }
                 Ok(None) => {}
                 Err(e) => {
@@ -434,7 +478,18 @@ impl<S: Transport> Client<S> {
         &mut self,
         call: &Call,
         timeout: Duration,
+        on_event: impl FnMut(EventKind) -> Result<(), ClientError>,
+    ) -> Result<EndStatus, ClientError> {
+        self.call_with_data(call, timeout, on_event, None)
+    }
+
+    /// [`Client::call`], with the call's binary frames (a `file_read`'s) going to `data`.
+    pub(crate) fn call_with_data(
+        &mut self,
+        call: &Call,
+        timeout: Duration,
         mut on_event: impl FnMut(EventKind) -> Result<(), ClientError>,
+        mut data: Option<DataSink<'_>>,
     ) -> Result<EndStatus, ClientError> {
         if let Some(reason) = &self.broken {
             return Err(ClientError::Broken(reason.clone()));
@@ -450,7 +505,16 @@ impl<S: Transport> Client<S> {
             .map_err(ClientError::Frame)?;
         self.write_all_by(&frame, deadline, timeout, what)?;
         loop {
-            let event = self.next_event(deadline, timeout, what)?;
+            let sink = data.as_mut().map(|sink| (id, &mut **sink as DataSink<'_>));
+            let event = match self.next_message(deadline, timeout, what, sink) {
+                Ok(event) => event,
+                Err(e) => {
+                    if data.is_some() {
+                        self.abandoned_reads.insert(id);
+                    }
+                    return Err(e);
+                }
+            };
             if event.id != id {
                 // A connection-level error can only be about what we just sent.
                 if let (CONNECTION_ID, EventKind::Error(info)) = (event.id, &event.event) {
@@ -459,10 +523,24 @@ impl<S: Transport> Client<S> {
                 continue; // a late event of an abandoned call
             }
             match event.event {
-                EventKind::End { status } => return Ok(status),
+                EventKind::End {
+                    status,
+                    execution_count,
+                    duration_ms,
+                } => {
+                    self.last_end = (execution_count, duration_ms);
+                    return Ok(status);
+                }
                 EventKind::Error(info) => return Err(ClientError::Remote(info)),
                 EventKind::Unknown => {}
-                other => on_event(other)?,
+                other => {
+                    if let Err(e) = on_event(other) {
+                        if data.is_some() {
+                            self.abandoned_reads.insert(id);
+                        }
+                        return Err(e);
+                    }
+                }
             }
         }
     }
@@ -553,6 +631,8 @@ impl<S: Transport> Client<S> {
             EventKind::Stderr { data } if status.is_none() => {
                 on_output(OutputStream::Stderr, &data)
             }
+            // v2 agents announce the pid first.
+            EventKind::Started { .. } if status.is_none() => Ok(()),
             EventKind::Exit(s) if status.is_none() => {
                 status = Some(s);
                 Ok(())
@@ -565,6 +645,127 @@ impl<S: Transport> Client<S> {
             status,
             timed_out: end == EndStatus::TimedOut,
         })
+    }
+}
+
+/// How a `run_code` ended (see [`Client::run_code`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunEnd {
+    /// `ok`, `error`, `timed_out`, `interrupted` or `context_died`.
+    pub status: EndStatus,
+    /// The cell's number in its context.
+    pub execution_count: Option<u64>,
+    /// How long the code ran, in milliseconds.
+    pub duration_ms: Option<u64>,
+}
+
+impl<S: Transport> Client<S> {
+    /// `run_code`: events (`stdout`, `stderr`, `result`, `display`, `exception`, `truncated`,
+    /// `context_restarted`) go to `on_event` as they arrive; the deadline is `timeout`.
+    pub fn run_code(
+        &mut self,
+        req: &RunCodeRequest,
+        timeout: Duration,
+        on_event: impl FnMut(EventKind) -> Result<(), ClientError>,
+    ) -> Result<RunEnd, ClientError> {
+        self.last_end = (None, None);
+        let status = self.call(&Call::RunCode(req.clone()), timeout, on_event)?;
+        Ok(RunEnd {
+            status,
+            execution_count: self.last_end.0,
+            duration_ms: self.last_end.1,
+        })
+    }
+
+    /// `context_create`: the new context.
+    pub fn context_create(
+        &mut self,
+        req: &ContextCreateRequest,
+        timeout: Duration,
+    ) -> Result<ContextInfo, ClientError> {
+        let mut info = None;
+        self.call(
+            &Call::ContextCreate(req.clone()),
+            timeout,
+            |event| match event {
+                EventKind::Context(c) if info.is_none() => {
+                    info = Some(c);
+                    Ok(())
+                }
+                other => Err(unexpected("context_create", &other)),
+            },
+        )?;
+        info.ok_or_else(|| ClientError::Protocol("context_create ended without a context".into()))
+    }
+
+    /// `context_list`.
+    pub fn context_list(&mut self) -> Result<Vec<ContextInfo>, ClientError> {
+        let mut list = None;
+        self.call(
+            &Call::ContextList,
+            self.limits.timeout,
+            |event| match event {
+                EventKind::Contexts { contexts } if list.is_none() => {
+                    list = Some(contexts);
+                    Ok(())
+                }
+                other => Err(unexpected("context_list", &other)),
+            },
+        )?;
+        list.ok_or_else(|| ClientError::Protocol("context_list ended without contexts".into()))
+    }
+
+    /// `context_restart`: the context with its fresh process.
+    pub fn context_restart(
+        &mut self,
+        context: &str,
+        timeout: Duration,
+    ) -> Result<ContextInfo, ClientError> {
+        let call = Call::ContextRestart(ContextRef {
+            context: context.into(),
+        });
+        let mut info = None;
+        self.call(&call, timeout, |event| match event {
+            EventKind::Context(c) if info.is_none() => {
+                info = Some(c);
+                Ok(())
+            }
+            other => Err(unexpected("context_restart", &other)),
+        })?;
+        info.ok_or_else(|| ClientError::Protocol("context_restart ended without a context".into()))
+    }
+
+    /// `context_remove`.
+    pub fn context_remove(&mut self, context: &str) -> Result<(), ClientError> {
+        let call = Call::ContextRemove(ContextRef {
+            context: context.into(),
+        });
+        self.call(&call, self.limits.timeout, |other| {
+            Err(unexpected("context_remove", &other))
+        })
+        .map(drop)
+    }
+
+    /// `interrupt`: SIGINT to the code running in `context` (its `run_code` ends
+    /// `interrupted`).
+    pub fn interrupt(&mut self, context: &str) -> Result<(), ClientError> {
+        let call = Call::Interrupt(ContextRef {
+            context: context.into(),
+        });
+        self.call(&call, self.limits.timeout, |other| {
+            Err(unexpected("interrupt", &other))
+        })
+        .map(drop)
+    }
+
+    /// `warmup` (template build time): the warm-up's events go to `on_event`.
+    pub fn warmup(
+        &mut self,
+        req: &WarmupRequest,
+        timeout: Duration,
+        on_event: impl FnMut(EventKind) -> Result<(), ClientError>,
+    ) -> Result<EndStatus, ClientError> {
+        self.call(&Call::Warmup(req.clone()), timeout, on_event)
     }
 }
 
@@ -747,13 +948,7 @@ mod tests {
                         agent_version: String::new(),
                     }),
                 );
-                send_event(
-                    &mut stream,
-                    id,
-                    EventKind::End {
-                        status: EndStatus::Ok,
-                    },
-                );
+                send_event(&mut stream, id, EventKind::end(EndStatus::Ok));
             }
             std::thread::sleep(Duration::from_millis(200));
         });
@@ -780,9 +975,7 @@ mod tests {
             let mut frame = Vec::new();
             let event = Event {
                 id: req.id,
-                event: EventKind::End {
-                    status: EndStatus::Ok,
-                },
+                event: EventKind::end(EndStatus::Ok),
             };
             encode_frame(&event, &mut frame, MAX_FRAME).unwrap();
             for byte in frame {
@@ -875,32 +1068,14 @@ mod tests {
         let (mut client, guest) = guest(|mut stream| {
             let mut reader = FrameReader::new(MAX_FRAME);
             let req = read_request(&mut stream, &mut reader);
-            send_event(
-                &mut stream,
-                req.id,
-                EventKind::End {
-                    status: EndStatus::Ok,
-                },
-            );
+            send_event(&mut stream, req.id, EventKind::end(EndStatus::Ok));
             let req = read_request(&mut stream, &mut reader);
             send_event(&mut stream, req.id, EventKind::Stdout { data: vec![1] });
-            send_event(
-                &mut stream,
-                req.id,
-                EventKind::End {
-                    status: EndStatus::Ok,
-                },
-            );
+            send_event(&mut stream, req.id, EventKind::end(EndStatus::Ok));
             let req = read_request(&mut stream, &mut reader);
             send_event(&mut stream, req.id, EventKind::Exit(ExitStatus::Code(0)));
             send_event(&mut stream, req.id, EventKind::Exit(ExitStatus::Code(1)));
-            send_event(
-                &mut stream,
-                req.id,
-                EventKind::End {
-                    status: EndStatus::Ok,
-                },
-            );
+            send_event(&mut stream, req.id, EventKind::end(EndStatus::Ok));
             std::thread::sleep(Duration::from_millis(100));
         });
         let err = client.ping().unwrap_err();
@@ -1015,9 +1190,7 @@ mod tests {
                 protocol: 1,
                 agent_version: String::new(),
             });
-            let end = EventKind::End {
-                status: EndStatus::Ok,
-            };
+            let end = EventKind::end(EndStatus::Ok);
             let mut frames = Vec::new();
             for (id, event) in [
                 (req.id, pong),

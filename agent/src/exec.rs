@@ -12,6 +12,11 @@
 //! (`kill(-pid, SIGKILL)`); processes that started their own session escape it. When the
 //! program exits, output already in the pipes is still sent (for at most [`DRAIN_LIMIT`]);
 //! background processes that keep the pipes open do not hold the call up.
+//!
+//! Version 2: the program may run on a pseudo-terminal (`/dev/ptmx`, the slave opened with
+//! `TIOCGPTPEER` and made the controlling terminal in the child) and as the unprivileged
+//! account (raw `setgroups`/`setresgid`/`setresuid` in the child). [`crate::procs`] builds the
+//! process table, background execs and attaching on [`start`], [`pump`] and [`finish`].
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -23,7 +28,9 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
-use crate::protocol::{EndStatus, ErrorCode, ErrorInfo, EventKind, ExecRequest, MAX_CHUNK};
+use crate::protocol::{
+    EndStatus, ErrorCode, ErrorInfo, EventKind, ExecRequest, PtySize, MAX_CHUNK,
+};
 use crate::reaper::Children;
 
 /// How long output is still collected after the program exited while a pipe stays readable
@@ -96,6 +103,9 @@ pub enum SpawnError {
     /// `clone` failed (out of memory or pids).
     #[error("clone failed: {0}")]
     Clone(#[source] io::Error),
+    /// The pseudo-terminal could not be set up.
+    #[error("opening a pseudo-terminal failed: {0}")]
+    Pty(#[source] io::Error),
     /// A step before `execve` failed in the child.
     #[error("{step} failed: {source}")]
     Setup {
@@ -129,7 +139,56 @@ fn c_string(what: &str, s: &str) -> Result<CString, String> {
     CString::new(s).map_err(|_| format!("exec: {what} contains a NUL byte"))
 }
 
-fn prepare(req: &ExecRequest, env: &ExecEnv) -> Result<Prepared, String> {
+/// An account a program runs as (from the guest's `/etc/passwd`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Creds {
+    /// User id.
+    pub uid: u32,
+    /// Primary group id (the only group the program gets).
+    pub gid: u32,
+    /// The account's name (`USER`, `LOGNAME`).
+    pub name: String,
+    /// Its home directory (`HOME`).
+    pub home: String,
+}
+
+impl Creds {
+    /// Finds `name` in the text of a passwd file (`name:x:uid:gid:gecos:home:shell` lines).
+    pub fn from_passwd(passwd: &str, name: &str) -> Option<Creds> {
+        passwd.lines().find_map(|line| {
+            let mut fields = line.split(':');
+            if fields.next()? != name {
+                return None;
+            }
+            let _password = fields.next()?;
+            let uid = fields.next()?.parse().ok()?;
+            let gid = fields.next()?.parse().ok()?;
+            let _gecos = fields.next()?;
+            let home = fields.next()?;
+            Some(Creds {
+                uid,
+                gid,
+                name: name.to_owned(),
+                home: if home.is_empty() {
+                    "/".into()
+                } else {
+                    home.into()
+                },
+            })
+        })
+    }
+}
+
+/// How an `exec`'s program is started, beyond its request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StartOptions<'a> {
+    /// Run as this account (default: the agent's, root).
+    pub creds: Option<&'a Creds>,
+    /// Keep stdin a pipe whose write end is returned (for `stdin_write`), even without bytes.
+    pub stdin_stream: bool,
+}
+
+fn prepare_as(req: &ExecRequest, env: &ExecEnv, creds: Option<&Creds>) -> Result<Prepared, String> {
     let Some(program) = req.argv.first() else {
         return Err("exec: argv is empty".into());
     };
@@ -143,6 +202,14 @@ fn prepare(req: &ExecRequest, env: &ExecEnv) -> Result<Prepared, String> {
         .collect::<Result<Vec<_>, _>>()?;
 
     let mut vars = env.base_env.clone();
+    if let Some(creds) = creds {
+        vars.insert("HOME".into(), creds.home.clone());
+        vars.insert("USER".into(), creds.name.clone());
+        vars.insert("LOGNAME".into(), creds.name.clone());
+    }
+    if req.pty.is_some() {
+        vars.insert("TERM".into(), "xterm".into());
+    }
     for (key, value) in &req.env {
         if key.is_empty() || key.contains('=') {
             return Err(format!(
@@ -218,6 +285,8 @@ const STEP_DUP: i32 = 2;
 const STEP_SIGPIPE: i32 = 3;
 const STEP_CHDIR: i32 = 4;
 const STEP_EXEC: i32 = 5;
+const STEP_CTTY: i32 = 6;
+const STEP_CREDS: i32 = 7;
 
 fn step_name(step: i32) -> &'static str {
     match step {
@@ -225,6 +294,8 @@ fn step_name(step: i32) -> &'static str {
         STEP_DUP => "redirecting stdio",
         STEP_SIGPIPE => "resetting SIGPIPE",
         STEP_CHDIR => "chdir",
+        STEP_CTTY => "taking the terminal (TIOCSCTTY)",
+        STEP_CREDS => "changing the user",
         _ => "exec",
     }
 }
@@ -238,6 +309,10 @@ struct ChildArgs<'a> {
     cwd: *const libc::c_char,
     stdio: [libc::c_int; 3],
     reset_sigpipe: bool,
+    /// stdin is a terminal that becomes the new session's controlling terminal.
+    ctty: bool,
+    /// Switch to this uid/gid (raw syscalls: glibc's wrappers would signal the agent's threads).
+    creds: Option<(u32, u32)>,
     /// The failed step (0: none) and its errno.
     failed_step: AtomicI32,
     failed_errno: AtomicI32,
@@ -279,6 +354,30 @@ extern "C" fn exec_child(arg: *mut libc::c_void) -> libc::c_int {
             child_fail(args, STEP_DUP, errno());
         }
     }
+    if args.ctty {
+        // SAFETY: ioctl on fd 0, a terminal this new session leader now has; no memory effects.
+        if unsafe { libc::ioctl(0, libc::TIOCSCTTY, 0) } < 0 {
+            child_fail(args, STEP_CTTY, errno());
+        }
+    }
+    if let Some((uid, gid)) = args.creds {
+        // Raw syscalls change only this task's credentials (the child shares the parent's
+        // memory but not its credentials: no CLONE_THREAD); glibc's wrappers would signal
+        // the agent's threads to change theirs too.
+        let groups = [gid];
+        // SAFETY: `groups` is a live array of one gid; no other memory is touched.
+        if unsafe { libc::syscall(libc::SYS_setgroups, 1usize, groups.as_ptr()) } != 0 {
+            child_fail(args, STEP_CREDS, errno());
+        }
+        // SAFETY: takes three ids by value; no memory effects.
+        if unsafe { libc::syscall(libc::SYS_setresgid, gid, gid, gid) } != 0 {
+            child_fail(args, STEP_CREDS, errno());
+        }
+        // SAFETY: as above.
+        if unsafe { libc::syscall(libc::SYS_setresuid, uid, uid, uid) } != 0 {
+            child_fail(args, STEP_CREDS, errno());
+        }
+    }
     if args.reset_sigpipe {
         // SAFETY: restores the default action of one signal; no handler runs in this child.
         if unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) } == libc::SIG_ERR {
@@ -317,12 +416,73 @@ extern "C" fn exec_child(arg: *mut libc::c_void) -> libc::c_int {
 
 /// A started program.
 #[derive(Debug)]
-struct Spawned {
-    pid: libc::pid_t,
-    pidfd: OwnedFd,
-    stdin: Option<File>,
-    stdout: File,
-    stderr: File,
+pub(crate) struct Spawned {
+    pub(crate) pid: libc::pid_t,
+    pub(crate) pidfd: OwnedFd,
+    /// Write end of the program's stdin (a pipe, or a copy of the pty master).
+    pub(crate) stdin: Option<File>,
+    /// The program's stdout pipe, or the pty master.
+    pub(crate) stdout: File,
+    /// The program's stderr pipe (none on a pty).
+    pub(crate) stderr: Option<File>,
+    /// A copy of the pty master, for resizing and writing.
+    pub(crate) master: Option<OwnedFd>,
+}
+
+/// Opens a new pseudo-terminal of `size`: (master, slave), both close-on-exec.
+fn open_pty(size: PtySize) -> io::Result<(OwnedFd, OwnedFd)> {
+    // SAFETY: the path is NUL-terminated; open has no other memory effects.
+    let fd = unsafe {
+        libc::open(
+            c"/dev/ptmx".as_ptr(),
+            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by open and is owned by nobody else.
+    let master = above_stdio(unsafe { OwnedFd::from_raw_fd(fd) })?;
+    let unlock: libc::c_int = 0;
+    // SAFETY: TIOCSPTLCK reads one int through the pointer, which is valid.
+    if unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSPTLCK, &unlock) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    set_pty_size(&master, size)?;
+    // TIOCGPTPEER opens the slave without a path lookup (Linux 4.13+).
+    // SAFETY: the ioctl takes open flags by value and returns a new descriptor.
+    let slave = unsafe {
+        libc::ioctl(
+            master.as_raw_fd(),
+            libc::TIOCGPTPEER,
+            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
+        )
+    };
+    if slave < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `slave` was just returned by the ioctl and is owned by nobody else.
+    let slave = above_stdio(unsafe { OwnedFd::from_raw_fd(slave) })?;
+    Ok((master, slave))
+}
+
+/// Sets a terminal's window size (`TIOCSWINSZ`; the foreground group gets `SIGWINCH`).
+pub(crate) fn set_pty_size(fd: &OwnedFd, size: PtySize) -> io::Result<()> {
+    let winsize = libc::winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads one winsize through the pointer, which is valid.
+    if unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCSWINSZ, &winsize) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn dup_file(fd: &OwnedFd) -> Result<File, SpawnError> {
+    fd.try_clone().map(File::from).map_err(SpawnError::Pipe)
 }
 
 fn null_terminated(strings: &[CString]) -> Vec<*const libc::c_char> {
@@ -333,13 +493,37 @@ fn null_terminated(strings: &[CString]) -> Vec<*const libc::c_char> {
         .collect()
 }
 
+#[allow(clippy::too_many_arguments)]
 fn spawn(
     prepared: &Prepared,
     env: &ExecEnv,
     children: &Children,
     with_stdin: bool,
+    pty: Option<PtySize>,
+    creds: Option<(u32, u32)>,
     program_name: &str,
 ) -> Result<Spawned, SpawnError> {
+    if let Some(size) = pty {
+        let (master, slave) = open_pty(size).map_err(SpawnError::Pty)?;
+        let stdin = if with_stdin {
+            Some(dup_file(&master)?)
+        } else {
+            None
+        };
+        let handle = master.try_clone().map_err(SpawnError::Pipe)?;
+        let fd = slave.as_raw_fd();
+        let (pid, pidfd) =
+            clone_child(prepared, env, children, [fd; 3], true, creds, program_name)?;
+        drop(slave);
+        return Ok(Spawned {
+            pid,
+            pidfd,
+            stdin,
+            stdout: File::from(master),
+            stderr: None,
+            master: Some(handle),
+        });
+    }
     // The child's stdin: a pipe we feed, /dev/null, or an empty pipe.
     let (child_stdin, stdin_writer, stdin_fd) = match (&env.devnull, with_stdin) {
         (Some(devnull), false) => (None, None, devnull.as_raw_fd()),
@@ -356,7 +540,31 @@ fn spawn(
     };
     let (stdout_r, stdout_w) = pipe()?;
     let (stderr_r, stderr_w) = pipe()?;
+    let stdio = [stdin_fd, stdout_w.as_raw_fd(), stderr_w.as_raw_fd()];
+    let spawned = clone_child(prepared, env, children, stdio, false, creds, program_name);
+    // The child's ends are in the child now (or it is gone).
+    drop((child_stdin, stdout_w, stderr_w));
+    let (pid, pidfd) = spawned?;
+    Ok(Spawned {
+        pid,
+        pidfd,
+        stdin: stdin_writer.map(File::from),
+        stdout: File::from(stdout_r),
+        stderr: Some(File::from(stderr_r)),
+        master: None,
+    })
+}
 
+/// Clones the child with `stdio` and waits (CLONE_VFORK) until it has exec'd or failed.
+fn clone_child(
+    prepared: &Prepared,
+    env: &ExecEnv,
+    children: &Children,
+    stdio: [libc::c_int; 3],
+    ctty: bool,
+    creds: Option<(u32, u32)>,
+    program_name: &str,
+) -> Result<(libc::pid_t, OwnedFd), SpawnError> {
     let programs: Vec<*const libc::c_char> = prepared.programs.iter().map(|p| p.as_ptr()).collect();
     let argv = null_terminated(&prepared.argv);
     let envp = null_terminated(&prepared.envp);
@@ -368,8 +576,10 @@ fn spawn(
             .cwd
             .as_ref()
             .map_or(std::ptr::null(), |c| c.as_ptr()),
-        stdio: [stdin_fd, stdout_w.as_raw_fd(), stderr_w.as_raw_fd()],
+        stdio,
         reset_sigpipe: env.reset_sigpipe,
+        ctty,
+        creds,
         failed_step: AtomicI32::new(0),
         failed_errno: AtomicI32::new(0),
         failed_program: AtomicUsize::new(0),
@@ -400,9 +610,6 @@ fn spawn(
         // SAFETY: clone succeeded with CLONE_PIDFD, so `pidfd` is a new descriptor we own.
         Ok((pid, unsafe { OwnedFd::from_raw_fd(pidfd) }))
     })?;
-    // The child's ends are in the child now (or it is gone).
-    drop((child_stdin, stdout_w, stderr_w));
-
     let step = args.failed_step.load(Ordering::Relaxed);
     if step != 0 {
         let _ = children.wait(pid);
@@ -424,17 +631,11 @@ fn spawn(
         };
         return Err(SpawnError::Exec { program, source });
     }
-    Ok(Spawned {
-        pid,
-        pidfd,
-        stdin: stdin_writer.map(File::from),
-        stdout: File::from(stdout_r),
-        stderr: File::from(stderr_r),
-    })
+    Ok((pid, pidfd))
 }
 
 /// How the pump loop ended.
-enum Pumped {
+pub(crate) enum Pumped {
     /// The program exited; `timed_out` if the time limit killed it.
     Exited { timed_out: bool },
     /// The connection is gone (or poll failed); the process group was killed.
@@ -459,12 +660,15 @@ fn poll_timeout(deadline: Option<Instant>) -> libc::c_int {
     }
 }
 
-fn pump(
+/// Moves the program's output to `sink` (flushed after each wake-up) and feeds it `stdin`
+/// through `stdin_pipe`, until it has exited and its pipes are drained (or [`DRAIN_LIMIT`]
+/// passed), the deadline killed it, or the sink's peer hung up (the group is killed).
+pub(crate) fn pump(
     pid: libc::pid_t,
     pidfd: &OwnedFd,
     mut stdin_pipe: Option<File>,
     stdin: &[u8],
-    pipes: [File; 2],
+    pipes: [Option<File>; 2],
     mut deadline: Option<Instant>,
     sink: &mut dyn Sink,
 ) -> Pumped {
@@ -473,7 +677,7 @@ fn pump(
     const PID: usize = 2;
     const PEER: usize = 3;
     const IN: usize = 4;
-    let mut pipes = pipes.map(Some);
+    let mut pipes = pipes;
     let mut stdin_pos = 0;
     let mut exited_at: Option<Instant> = None;
     let mut timed_out = false;
@@ -584,67 +788,66 @@ fn pump(
     }
 }
 
-/// Serves one `exec` call: events go to `sink` (flushed as they come); the terminal event is
-/// queued but not flushed. Returns an error only when the connection is unusable.
-pub fn run(
+/// Validates `req` and starts its program; on failure, the error event to send
+/// (`bad_request` or `spawn_failed`).
+pub(crate) fn start(
     env: &ExecEnv,
     children: &Children,
     req: &ExecRequest,
+    opts: StartOptions<'_>,
+) -> Result<Spawned, ErrorInfo> {
+    let stdin = req.stdin.as_deref().unwrap_or_default();
+    if opts.stdin_stream && !stdin.is_empty() {
+        return Err(ErrorInfo::new(
+            ErrorCode::BadRequest,
+            "exec: `stdin` and `stdin_stream` exclude each other",
+        ));
+    }
+    if req.pty.is_some_and(|p| p.cols == 0 || p.rows == 0) {
+        return Err(ErrorInfo::new(
+            ErrorCode::BadRequest,
+            "exec: pty cols and rows must be at least 1",
+        ));
+    }
+    let prepared = prepare_as(req, env, opts.creds)
+        .map_err(|message| ErrorInfo::new(ErrorCode::BadRequest, message))?;
+    let program_name = req.argv.first().map_or("", String::as_str);
+    spawn(
+        &prepared,
+        env,
+        children,
+        !stdin.is_empty() || opts.stdin_stream,
+        req.pty,
+        opts.creds.map(|c| (c.uid, c.gid)),
+        program_name,
+    )
+    .map_err(|e| ErrorInfo::new(ErrorCode::SpawnFailed, e.to_string()))
+}
+
+/// The instant `req`'s time limit runs out.
+pub(crate) fn deadline(req: &ExecRequest) -> Option<Instant> {
+    req.timeout_ms
+        .and_then(|ms| Instant::now().checked_add(Duration::from_millis(ms)))
+}
+
+/// Reaps the program and queues `exit` and `end` (or the error); `Err` when the pump lost the
+/// connection.
+pub(crate) fn finish(
+    children: &Children,
+    pid: libc::pid_t,
+    pumped: Pumped,
     sink: &mut dyn Sink,
 ) -> io::Result<()> {
-    let prepared = match prepare(req, env) {
-        Ok(prepared) => prepared,
-        Err(message) => {
-            sink.event(EventKind::Error(ErrorInfo::new(
-                ErrorCode::BadRequest,
-                message,
-            )));
-            return Ok(());
-        }
-    };
-    let deadline = req
-        .timeout_ms
-        .and_then(|ms| Instant::now().checked_add(Duration::from_millis(ms)));
-    let program_name = req.argv.first().map_or("", String::as_str);
-    let stdin = req.stdin.as_deref().unwrap_or_default();
-    let spawned = match spawn(&prepared, env, children, !stdin.is_empty(), program_name) {
-        Ok(spawned) => spawned,
-        Err(e) => {
-            sink.event(EventKind::Error(ErrorInfo::new(
-                ErrorCode::SpawnFailed,
-                e.to_string(),
-            )));
-            return Ok(());
-        }
-    };
-    let Spawned {
-        pid,
-        pidfd,
-        stdin: stdin_pipe,
-        stdout,
-        stderr,
-    } = spawned;
-    let pumped = pump(
-        pid,
-        &pidfd,
-        stdin_pipe,
-        stdin,
-        [stdout, stderr],
-        deadline,
-        sink,
-    );
     let status = children.wait(pid);
     match (pumped, status) {
         (Pumped::Abandoned(e), _) => Err(e),
         (Pumped::Exited { timed_out }, Ok(status)) => {
             sink.event(EventKind::Exit(status));
-            sink.event(EventKind::End {
-                status: if timed_out {
-                    EndStatus::TimedOut
-                } else {
-                    EndStatus::Ok
-                },
-            });
+            sink.event(EventKind::end(if timed_out {
+                EndStatus::TimedOut
+            } else {
+                EndStatus::Ok
+            }));
             Ok(())
         }
         (Pumped::Exited { .. }, Err(e)) => {
@@ -655,6 +858,43 @@ pub fn run(
             Ok(())
         }
     }
+}
+
+/// Serves one foreground `exec` call outside any process table: `started`, output, `exit`,
+/// `end` go to `sink` (flushed as they come); the terminal event is queued but not flushed.
+/// Returns an error only when the connection is unusable.
+pub fn run(
+    env: &ExecEnv,
+    children: &Children,
+    req: &ExecRequest,
+    sink: &mut dyn Sink,
+) -> io::Result<()> {
+    let spawned = match start(env, children, req, StartOptions::default()) {
+        Ok(spawned) => spawned,
+        Err(info) => {
+            sink.event(EventKind::Error(info));
+            return Ok(());
+        }
+    };
+    let Spawned {
+        pid,
+        pidfd,
+        stdin: stdin_pipe,
+        stdout,
+        stderr,
+        master: _,
+    } = spawned;
+    sink.event(EventKind::Started { pid });
+    let pumped = pump(
+        pid,
+        &pidfd,
+        stdin_pipe,
+        req.stdin.as_deref().unwrap_or_default(),
+        [Some(stdout), stderr],
+        deadline(req),
+        sink,
+    );
+    finish(children, pid, pumped, sink)
 }
 
 #[cfg(test)]
@@ -726,7 +966,7 @@ mod tests {
     }
 
     fn ended(status: ExitStatus, end: EndStatus) -> [EventKind; 2] {
-        [EventKind::Exit(status), EventKind::End { status: end }]
+        [EventKind::Exit(status), EventKind::end(end)]
     }
 
     #[test]

@@ -20,7 +20,7 @@ use thiserror::Error;
 
 /// Version of this protocol; the agent reports it in [`Pong::protocol`]. Bumped when a change is
 /// not backwards compatible (a new call or event type or a new optional field is compatible).
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The vsock port the agent listens on unless `ember.agent=PORT` says otherwise.
 pub const DEFAULT_PORT: u32 = 1024;
@@ -30,6 +30,16 @@ pub const MAX_FRAME: u32 = 16 * 1024 * 1024;
 
 /// Length of the frame header (the `u32` little-endian body length).
 pub const HEADER_LEN: usize = 4;
+
+/// Header bit marking a binary frame: its body is a `u64` LE call id and raw bytes, and its
+/// length is the header's low 31 bits.
+pub const BINARY_FLAG: u32 = 1 << 31;
+
+/// Length of a binary frame's header plus its call id.
+pub const BINARY_HEADER_LEN: usize = HEADER_LEN + 8;
+
+/// Largest payload of one binary frame (`file_read` chunks, `file_write` chunks), in bytes.
+pub const MAX_BINARY_CHUNK: usize = 1024 * 1024;
 
 /// Largest `stdout`/`stderr` chunk the agent sends in one event, in bytes (before base64).
 pub const MAX_CHUNK: usize = 64 * 1024;
@@ -45,7 +55,35 @@ pub const MAX_ENTROPY: usize = 256;
 pub const CONNECTION_ID: u64 = 0;
 
 /// The call types this version serves, as they appear in `call.type`.
-pub const CALL_TYPES: [&str; 3] = ["ping", "sync", "exec"];
+pub const CALL_TYPES: &[&str] = &[
+    "ping",
+    "sync",
+    "exec",
+    // files
+    "file_read",
+    "file_write",
+    "file_list",
+    "file_stat",
+    "file_mkdir",
+    "file_remove",
+    "file_rename",
+    "file_watch",
+    // processes
+    "stdin_write",
+    "stdin_close",
+    "process_list",
+    "process_attach",
+    "process_signal",
+    "process_resize",
+    // code contexts
+    "context_create",
+    "context_list",
+    "context_restart",
+    "context_remove",
+    "run_code",
+    "interrupt",
+    "warmup",
+];
 
 /// Longest error message the agent sends, in bytes (longer ones are cut).
 pub const MAX_MESSAGE: usize = 1024;
@@ -69,8 +107,54 @@ pub enum Call {
     /// Set the guest's wall clock and reseed its RNG (first call after a snapshot restore):
     /// answered with [`EventKind::Synced`], then `end`.
     Sync(SyncRequest),
-    /// Run a program: `stdout`/`stderr` chunks, then [`EventKind::Exit`], then `end`.
+    /// Run a program: [`EventKind::Started`], `stdout`/`stderr` chunks, then
+    /// [`EventKind::Exit`], then `end` (background: `started` and `end` at once).
     Exec(ExecRequest),
+    /// Read a file: [`EventKind::FileInfo`], binary frames, an empty binary frame, `end`.
+    FileRead(FileReadRequest),
+    /// Write a file from the binary frames that follow the request: [`EventKind::Written`],
+    /// `end`.
+    FileWrite(FileWriteRequest),
+    /// List a directory: [`EventKind::Entries`] batches, `end`.
+    FileList(FileListRequest),
+    /// Stat a path: [`EventKind::Stat`], `end`.
+    FileStat(PathRequest),
+    /// `mkdir -p`: `end`.
+    FileMkdir(PathRequest),
+    /// Remove a file or (`recursive`) a tree: `end`.
+    FileRemove(FileRemoveRequest),
+    /// Rename: `end`.
+    FileRename(FileRenameRequest),
+    /// Watch a path: [`EventKind::FsEvent`]s until the host closes or sends a frame, `end`.
+    FileWatch(FileWatchRequest),
+    /// Write to the stdin of a process started with `stdin_stream` (or a pty): `end`.
+    StdinWrite(StdinWriteRequest),
+    /// Close a process's stdin: `end`.
+    StdinClose(PidRequest),
+    /// The processes the agent started: [`EventKind::Processes`], `end`.
+    ProcessList,
+    /// Buffered then live output of a process, [`EventKind::Exit`], `end`.
+    ProcessAttach(PidRequest),
+    /// Send a signal to a process's group: `end`.
+    ProcessSignal(ProcessSignalRequest),
+    /// Resize a process's pseudo-terminal: `end`.
+    ProcessResize(ProcessResizeRequest),
+    /// Create a code context: [`EventKind::Context`], `end`.
+    ContextCreate(ContextCreateRequest),
+    /// The code contexts: [`EventKind::Contexts`], `end`.
+    ContextList,
+    /// Replace a context's process with a fresh one: [`EventKind::Context`], `end`.
+    ContextRestart(ContextRef),
+    /// Remove a context (its process is killed): `end`.
+    ContextRemove(ContextRef),
+    /// Run code in a context: output, `result`, `display`, `exception` events, then `end` with
+    /// `execution_count` and `duration_ms`.
+    RunCode(RunCodeRequest),
+    /// Interrupt the code running in a context: `end`.
+    Interrupt(ContextRef),
+    /// Start the python zygote, run warm-up code, create contexts and spares (template build
+    /// time): the warm-up's output and `exception`, then `end`.
+    Warmup(WarmupRequest),
 }
 
 impl Call {
@@ -80,6 +164,27 @@ impl Call {
             Call::Ping => "ping",
             Call::Sync(_) => "sync",
             Call::Exec(_) => "exec",
+            Call::FileRead(_) => "file_read",
+            Call::FileWrite(_) => "file_write",
+            Call::FileList(_) => "file_list",
+            Call::FileStat(_) => "file_stat",
+            Call::FileMkdir(_) => "file_mkdir",
+            Call::FileRemove(_) => "file_remove",
+            Call::FileRename(_) => "file_rename",
+            Call::FileWatch(_) => "file_watch",
+            Call::StdinWrite(_) => "stdin_write",
+            Call::StdinClose(_) => "stdin_close",
+            Call::ProcessList => "process_list",
+            Call::ProcessAttach(_) => "process_attach",
+            Call::ProcessSignal(_) => "process_signal",
+            Call::ProcessResize(_) => "process_resize",
+            Call::ContextCreate(_) => "context_create",
+            Call::ContextList => "context_list",
+            Call::ContextRestart(_) => "context_restart",
+            Call::ContextRemove(_) => "context_remove",
+            Call::RunCode(_) => "run_code",
+            Call::Interrupt(_) => "interrupt",
+            Call::Warmup(_) => "warmup",
         }
     }
 }
@@ -113,6 +218,160 @@ pub struct ExecRequest {
     /// (`SIGKILL`) and the call ends with status `timed_out`. None: no limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// Return at once (`started`, `end`); the output is kept for `process_attach`.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub background: bool,
+    /// Keep stdin a pipe for `stdin_write`/`stdin_close` (instead of `stdin` or `/dev/null`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub stdin_stream: bool,
+    /// Run on a pseudo-terminal of this size (stdout carries its output; no stderr).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
+    /// The account to run as (default root).
+    #[serde(default, skip_serializing_if = "ExecUser::is_root")]
+    pub user: ExecUser,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// A terminal size, in character cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PtySize {
+    /// Columns.
+    pub cols: u16,
+    /// Rows.
+    pub rows: u16,
+}
+
+/// Who an `exec` runs as.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecUser {
+    /// uid 0, `HOME=/root`.
+    #[default]
+    Root,
+    /// The unprivileged account `user` (uid 1000 in the templates), `HOME=/home/user`.
+    User,
+}
+
+impl ExecUser {
+    fn is_root(&self) -> bool {
+        *self == ExecUser::Root
+    }
+}
+
+/// Arguments of [`Call::FileRead`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileReadRequest {
+    /// Guest path; relative paths are relative to `/workspace`.
+    pub path: String,
+    /// First byte to read (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offset: Option<u64>,
+    /// Most bytes to read (default: to the end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub length: Option<u64>,
+}
+
+/// Arguments of [`Call::FileWrite`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileWriteRequest {
+    /// Guest path; relative paths are relative to `/workspace`.
+    pub path: String,
+    /// Permission bits of a new file (default `0o644`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<u32>,
+    /// Append to the file (written in place) instead of replacing it.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub append: bool,
+    /// Create missing parent directories (default true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub create_dirs: Option<bool>,
+}
+
+/// Arguments of [`Call::FileList`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileListRequest {
+    /// The directory.
+    pub path: String,
+    /// How deep to descend (default 1: the directory's own entries).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub depth: Option<u32>,
+}
+
+/// Arguments of calls that take only a path.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PathRequest {
+    /// Guest path; relative paths are relative to `/workspace`.
+    pub path: String,
+}
+
+/// Arguments of [`Call::FileRemove`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileRemoveRequest {
+    /// What to remove.
+    pub path: String,
+    /// Remove a directory with everything in it.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub recursive: bool,
+}
+
+/// Arguments of [`Call::FileRename`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileRenameRequest {
+    /// The current path.
+    pub from: String,
+    /// The new path (replaced if it is a file).
+    pub to: String,
+}
+
+/// Arguments of [`Call::FileWatch`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileWatchRequest {
+    /// The directory (or file) to watch.
+    pub path: String,
+    /// Watch subdirectories too (including ones created later).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub recursive: bool,
+}
+
+/// Arguments of calls about one process.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PidRequest {
+    /// The process's pid in the guest (from `started`).
+    pub pid: i32,
+}
+
+/// Arguments of [`Call::StdinWrite`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StdinWriteRequest {
+    /// The process.
+    pub pid: i32,
+    /// Bytes for its stdin, base64 on the wire.
+    #[serde(with = "b64")]
+    pub data: Vec<u8>,
+}
+
+/// Arguments of [`Call::ProcessSignal`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessSignalRequest {
+    /// The process (its group gets the signal).
+    pub pid: i32,
+    /// The signal number.
+    pub signal: i32,
+}
+
+/// Arguments of [`Call::ProcessResize`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessResizeRequest {
+    /// The process (started with `pty`).
+    pub pid: i32,
+    /// New width.
+    pub cols: u16,
+    /// New height.
+    pub rows: u16,
 }
 
 impl ExecRequest {
@@ -160,10 +419,77 @@ pub enum EventKind {
     },
     /// How the program ended.
     Exit(ExitStatus),
+    /// First event of every `exec`: the program's pid in the guest.
+    Started {
+        /// The pid (also its process group and session id).
+        pid: i32,
+    },
+    /// First event of `file_read`: the file's metadata (binary frames follow).
+    FileInfo(FileInfo),
+    /// Answer to `file_write`: the file is in place.
+    Written {
+        /// The absolute guest path written.
+        path: String,
+        /// Bytes received (and written).
+        bytes: u64,
+    },
+    /// A batch (at most [`MAX_ENTRIES_PER_EVENT`]) of `file_list` entries.
+    Entries {
+        /// The entries.
+        entries: Vec<DirEntry>,
+    },
+    /// Answer to `file_stat` (nested: the event's own `type` tag would clash with the
+    /// file's `type`).
+    Stat {
+        /// What the path is.
+        stat: FileStat,
+    },
+    /// A change seen by `file_watch`.
+    FsEvent {
+        /// The absolute guest path that changed.
+        path: String,
+        /// What happened to it.
+        op: FsOp,
+    },
+    /// Answer to `process_list`.
+    Processes {
+        /// The processes.
+        processes: Vec<ProcessInfo>,
+    },
+    /// Answer to `context_create` and `context_restart`.
+    Context(ContextInfo),
+    /// Answer to `context_list`.
+    Contexts {
+        /// The contexts, by id.
+        contexts: Vec<ContextInfo>,
+    },
+    /// The value of a cell's last expression.
+    Result(ResultData),
+    /// Something the code displayed (`display(...)`, a matplotlib figure).
+    Display(DisplayData),
+    /// The code raised (not terminal: `end` follows).
+    Exception(Exception),
+    /// The output cap of a `run_code` was reached; later output was dropped. Sent once.
+    Truncated {
+        /// The cap, in bytes.
+        limit: u64,
+    },
+    /// The context's process had died and was replaced by a fresh one (first event of the
+    /// `run_code` that found it dead).
+    ContextRestarted {
+        /// Why (how the old process ended).
+        reason: String,
+    },
     /// Terminal: the call is over.
     End {
         /// How it ended.
         status: EndStatus,
+        /// `run_code`: the cell's number in its context.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        execution_count: Option<u64>,
+        /// `run_code`: how long the code ran, in milliseconds.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        duration_ms: Option<u64>,
     },
     /// Terminal: the call failed (or, with id 0, a frame could not be understood).
     Error(ErrorInfo),
@@ -173,6 +499,15 @@ pub enum EventKind {
 }
 
 impl EventKind {
+    /// An `end` event with this status and no `run_code` fields.
+    pub fn end(status: EndStatus) -> Self {
+        EventKind::End {
+            status,
+            execution_count: None,
+            duration_ms: None,
+        }
+    }
+
     /// Whether this event ends its call.
     pub fn is_terminal(&self) -> bool {
         matches!(self, EventKind::End { .. } | EventKind::Error(_))
@@ -194,6 +529,104 @@ pub struct Pong {
     /// The agent's crate version.
     #[serde(default)]
     pub agent_version: String,
+}
+
+/// Most entries in one [`EventKind::Entries`] event.
+pub const MAX_ENTRIES_PER_EVENT: usize = 1000;
+
+/// Payload of [`EventKind::FileInfo`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileInfo {
+    /// The file's size in bytes (the whole file, whatever range was asked for).
+    pub size: u64,
+    /// `st_mode` permission and type bits.
+    pub mode: u32,
+    /// Last modification, milliseconds since the Unix epoch.
+    pub mtime_ms: i64,
+}
+
+/// What kind of file a path names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileType {
+    /// A regular file.
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link (not followed).
+    Symlink,
+    /// Anything else (device, socket, fifo) or a type this version does not know.
+    #[serde(other)]
+    Other,
+}
+
+/// One entry of [`EventKind::Entries`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirEntry {
+    /// Absolute guest path.
+    pub path: String,
+    /// The last path component.
+    pub name: String,
+    /// Its type (symbolic links are not followed).
+    #[serde(rename = "type")]
+    pub kind: FileType,
+    /// Size in bytes.
+    pub size: u64,
+    /// `st_mode`.
+    pub mode: u32,
+    /// Last modification, milliseconds since the Unix epoch.
+    pub mtime_ms: i64,
+}
+
+/// Payload of [`EventKind::Stat`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileStat {
+    /// Absolute guest path.
+    pub path: String,
+    /// Its type (a symbolic link is reported as such, not followed).
+    #[serde(rename = "type")]
+    pub kind: FileType,
+    /// Size in bytes.
+    pub size: u64,
+    /// `st_mode`.
+    pub mode: u32,
+    /// Last modification, milliseconds since the Unix epoch.
+    pub mtime_ms: i64,
+}
+
+/// What a [`EventKind::FsEvent`] reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FsOp {
+    /// Created (file, directory, link) or moved in.
+    Create,
+    /// Written (reported when the writer closes the file or on each write).
+    Write,
+    /// Removed.
+    Remove,
+    /// Moved away (renamed).
+    Rename,
+    /// An operation this version does not know.
+    #[serde(other)]
+    Unknown,
+}
+
+/// One process of [`EventKind::Processes`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessInfo {
+    /// Its pid in the guest.
+    pub pid: i32,
+    /// Its argv as requested.
+    pub argv: Vec<String>,
+    /// Started with `background`.
+    pub background: bool,
+    /// Runs on a pseudo-terminal.
+    pub pty: bool,
+    /// Still running.
+    pub running: bool,
+    /// How it ended, once it has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit: Option<ExitStatus>,
 }
 
 /// Payload of [`EventKind::Synced`].
@@ -272,6 +705,12 @@ pub enum EndStatus {
     Ok,
     /// The call's time limit ran out (for `exec`: the process group was killed).
     TimedOut,
+    /// `run_code`: the code raised an exception (an `exception` event came before).
+    Error,
+    /// `run_code`: the code was interrupted (`interrupt`, or the host hung up).
+    Interrupted,
+    /// `run_code`: the context's process died while the code ran.
+    ContextDied,
     /// A status this version does not know.
     #[serde(other)]
     Unknown,
@@ -319,6 +758,24 @@ pub enum ErrorCode {
     SyncFailed,
     /// The program could not be started.
     SpawnFailed,
+    /// The path does not exist (`ENOENT`).
+    NotFound,
+    /// The path (or id) already exists (`EEXIST`).
+    Exists,
+    /// A component of the path is not a directory, or a directory was expected.
+    NotADirectory,
+    /// The path is a directory where a file was expected.
+    IsADirectory,
+    /// The agent may not do that to the path (`EACCES`, `EPERM`, `EROFS`).
+    PermissionDenied,
+    /// No process with that pid was started by the agent (or it was already collected).
+    NoSuchProcess,
+    /// A binary frame from the host carried more than [`MAX_BINARY_CHUNK`] bytes.
+    OversizeChunk,
+    /// No code context has that id.
+    NoSuchContext,
+    /// A code context's process could not be started.
+    ContextFailed,
     /// The agent hit an I/O error while serving the call.
     Io,
     /// A bug in the agent.
@@ -326,6 +783,141 @@ pub enum ErrorCode {
     /// A code this version does not know.
     #[serde(other)]
     Unknown,
+}
+
+/// A MIME bundle: MIME type to value.
+pub type MimeBundle = serde_json::Map<String, serde_json::Value>;
+
+/// The languages of code contexts, as they appear in `language` fields.
+pub const LANGUAGES: [&str; 2] = ["python", "bash"];
+
+/// Arguments of [`Call::ContextCreate`] (and one context of [`WarmupRequest::contexts`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContextCreateRequest {
+    /// The context's language: `python` (default) or `bash`.
+    #[serde(default = "python")]
+    pub language: String,
+    /// Working directory (default `/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// Environment variables set in the context.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// The id (letters, digits, `.`, `_`, `-`; at most 64); default: chosen by the agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+}
+
+/// Arguments of calls about one context.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContextRef {
+    /// The context's id.
+    pub context: String,
+}
+
+/// Arguments of [`Call::RunCode`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunCodeRequest {
+    /// The context; default `default` (python) or `default-bash`, created on first use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<String>,
+    /// The language, when no context is named: `python` (default) or `bash`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub language: Option<String>,
+    /// The code.
+    pub code: String,
+    /// Time limit in milliseconds: then SIGINT, and a kill 2 s later. None: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// Environment variables set for this call only.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Most stdout + stderr + display bytes sent (default [`DEFAULT_OUTPUT_CAP`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_cap: Option<u64>,
+}
+
+impl RunCodeRequest {
+    /// A request running `code` in the default python context.
+    pub fn new(code: impl Into<String>) -> Self {
+        Self {
+            code: code.into(),
+            ..Self::default()
+        }
+    }
+}
+
+/// Default output cap of a `run_code` call, in bytes.
+pub const DEFAULT_OUTPUT_CAP: u64 = 10 * 1024 * 1024;
+
+/// Arguments of [`Call::Warmup`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarmupRequest {
+    /// Python run in the zygote after `import IPython` (imports, a first figure...).
+    #[serde(default)]
+    pub code: String,
+    /// Contexts to create (each with its `id`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub contexts: Vec<ContextCreateRequest>,
+    /// Spare contexts to keep ready, per language (`{"python": 1, "bash": 1}`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub spare: BTreeMap<String, u32>,
+    /// Environment of the zygote (so of every python context forked from it) and of spares.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+}
+
+fn python() -> String {
+    "python".into()
+}
+
+/// Payload of [`EventKind::Context`] and one entry of [`EventKind::Contexts`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContextInfo {
+    /// The id.
+    pub id: String,
+    /// The language (`python` or `bash`).
+    pub language: String,
+    /// Its working directory when it started.
+    pub cwd: String,
+    /// Its process's pid in the guest (0 while it has none).
+    pub pid: i32,
+    /// `context_list`: whether code is running in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub busy: Option<bool>,
+}
+
+/// Payload of [`EventKind::Result`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResultData {
+    /// MIME type to value (text as strings, `image/png` and `image/jpeg` as base64 strings,
+    /// `application/json` as JSON).
+    pub data: MimeBundle,
+    /// The cell's number in its context.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub execution_count: Option<u64>,
+}
+
+/// Payload of [`EventKind::Display`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DisplayData {
+    /// MIME type to value, as in [`ResultData::data`].
+    pub data: MimeBundle,
+    /// Per-MIME metadata, when there is any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<MimeBundle>,
+}
+
+/// Payload of [`EventKind::Exception`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Exception {
+    /// The exception's type (`ZeroDivisionError`, `KeyboardInterrupt`, `ContextDied`...).
+    pub name: String,
+    /// Its message.
+    pub value: String,
+    /// The traceback, as text lines.
+    #[serde(default)]
+    pub traceback: Vec<String>,
 }
 
 /// Serde helpers: `Vec<u8>` as a standard base64 string.
@@ -386,6 +978,18 @@ pub enum FrameError {
         /// Bytes the frame needs (header included; 4 while the header is incomplete).
         need: usize,
     },
+    /// A binary frame too short to hold its call id (it was skipped).
+    #[error("binary frame of {len} bytes is shorter than its 8-byte call id")]
+    ShortBinary {
+        /// Its body length.
+        len: usize,
+    },
+    /// A binary frame where only JSON frames are expected (it was skipped).
+    #[error("unexpected binary frame for call {id}")]
+    UnexpectedBinary {
+        /// The call id it carried.
+        id: u64,
+    },
     /// Serializing a message failed (a bug: every message type serializes).
     #[error("encoding a message failed: {0}")]
     Encode(#[source] serde_json::Error),
@@ -425,6 +1029,44 @@ pub fn write_frame<W: Write + ?Sized, T: Serialize>(w: &mut W, msg: &T) -> Resul
     Ok(())
 }
 
+/// The header and call id of a binary frame carrying `len` bytes (`len` must be at most
+/// [`MAX_BINARY_CHUNK`]; larger values are the caller's bug and are cut to the 31-bit field).
+pub fn binary_header(id: u64, len: usize) -> [u8; BINARY_HEADER_LEN] {
+    let body = u32::try_from(len.saturating_add(8)).unwrap_or(u32::MAX) & !BINARY_FLAG;
+    let mut header = [0u8; BINARY_HEADER_LEN];
+    header[..HEADER_LEN].copy_from_slice(&(BINARY_FLAG | body).to_le_bytes());
+    header[HEADER_LEN..].copy_from_slice(&id.to_le_bytes());
+    header
+}
+
+/// Appends one binary frame (call `id`, `data`) to `out`; refuses more than
+/// [`MAX_BINARY_CHUNK`] bytes. An empty `data` is the end-of-stream frame.
+pub fn encode_binary_frame(id: u64, data: &[u8], out: &mut Vec<u8>) -> Result<(), FrameError> {
+    if data.len() > MAX_BINARY_CHUNK {
+        return Err(FrameError::TooLarge {
+            len: data.len() as u64,
+            max: MAX_BINARY_CHUNK as u32,
+        });
+    }
+    out.extend_from_slice(&binary_header(id, data.len()));
+    out.extend_from_slice(data);
+    Ok(())
+}
+
+/// One frame cut by a [`FrameReader`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Frame<'a> {
+    /// A JSON body (a request or an event).
+    Json(&'a [u8]),
+    /// Raw bytes of a call's data stream; empty `data` ends the stream.
+    Binary {
+        /// The call the bytes belong to.
+        id: u64,
+        /// The bytes.
+        data: &'a [u8],
+    },
+}
+
 /// Bytes a [`FrameReader`] asks for per `read` (and keeps allocated between frames).
 const READ_CHUNK: usize = 64 * 1024;
 
@@ -440,10 +1082,14 @@ pub struct FrameReader {
     /// Bytes of the frame last returned, consumed on the next call.
     returned: usize,
     max: u32,
+    /// Largest binary payload accepted.
+    max_binary: u32,
+    /// Whether the frame last returned was binary (its buffer is kept for the next one).
+    last_binary: bool,
 }
 
 impl FrameReader {
-    /// A reader accepting bodies of at most `max` bytes.
+    /// A reader accepting JSON bodies and binary payloads of at most `max` bytes.
     pub fn new(max: u32) -> Self {
         Self {
             buf: Vec::new(),
@@ -451,7 +1097,16 @@ impl FrameReader {
             end: 0,
             returned: 0,
             max,
+            max_binary: max,
+            last_binary: false,
         }
+    }
+
+    /// Changes the largest binary payload accepted (the client takes at most
+    /// [`MAX_BINARY_CHUNK`]; the agent accepts more so that it can answer `oversize_chunk`).
+    pub fn with_binary_limit(mut self, max_binary: u32) -> Self {
+        self.max_binary = max_binary;
+        self
     }
 
     /// The largest body accepted.
@@ -470,14 +1125,25 @@ impl FrameReader {
         self.start = (self.start + n).min(self.end);
     }
 
+    /// Puts the frame last returned back: the next call returns it again.
+    pub fn unread(&mut self) {
+        self.returned = 0;
+    }
+
     fn release(&mut self) {
         self.start += self.returned;
         self.returned = 0;
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
-            // Give back what a big frame needed.
-            if self.buf.len() > 2 * READ_CHUNK {
+            // Give back what a big frame needed; a buffer sized for binary chunks is kept while
+            // they stream (one allocation per stream, not per chunk).
+            let keep = if self.last_binary {
+                (self.max_binary as usize).min(MAX_BINARY_CHUNK) + BINARY_HEADER_LEN + READ_CHUNK
+            } else {
+                2 * READ_CHUNK
+            };
+            if self.buf.len() > keep.max(2 * READ_CHUNK) {
                 self.buf.truncate(READ_CHUNK);
                 self.buf.shrink_to_fit();
             }
@@ -505,8 +1171,8 @@ impl FrameReader {
         self.release();
         // Room for the whole frame at the front when its header is in and within the limit (so
         // that a big frame takes few reads); otherwise just room for more bytes.
-        let frame = match self.needed() {
-            Some(need) if need - HEADER_LEN <= self.max as usize => need,
+        let frame = match self.header() {
+            Some((binary, len)) if len <= self.limit(binary) => HEADER_LEN + len,
             _ => 0,
         };
         self.reserve(frame.max(self.end - self.start + 1));
@@ -522,44 +1188,81 @@ impl FrameReader {
         }
     }
 
-    /// Total bytes (header included) the frame at the front needs, once its header is there.
-    /// `None` while the header is incomplete; values over the limit are returned as they are.
-    fn needed(&self) -> Option<usize> {
+    /// The frame at the front: whether it is binary, and its body length. `None` while the
+    /// header is incomplete.
+    fn header(&self) -> Option<(bool, usize)> {
         let data = &self.buf[self.start..self.end];
         let header: [u8; HEADER_LEN] = data.get(..HEADER_LEN)?.try_into().ok()?;
-        Some(HEADER_LEN + u32::from_le_bytes(header) as usize)
+        let word = u32::from_le_bytes(header);
+        Some((word & BINARY_FLAG != 0, (word & !BINARY_FLAG) as usize))
     }
 
-    /// The body of the complete frame at the front of the buffer, without reading.
-    pub fn next_buffered(&mut self) -> Result<Option<&[u8]>, FrameError> {
+    /// Largest body length of a frame of this kind.
+    fn limit(&self, binary: bool) -> usize {
+        if binary {
+            self.max_binary as usize + 8
+        } else {
+            self.max as usize
+        }
+    }
+
+    /// Checks the frame at the front; if it is complete, marks it returned and says whether
+    /// it is binary.
+    fn front(&mut self) -> Result<Option<bool>, FrameError> {
         self.release();
-        let Some(need) = self.needed() else {
+        let Some((binary, len)) = self.header() else {
             return Ok(None);
         };
-        let len = need - HEADER_LEN;
-        if len > self.max as usize {
+        if len > self.limit(binary) {
             return Err(FrameError::TooLarge {
-                len: len as u64,
-                max: self.max,
+                len: if binary { len as u64 - 8 } else { len as u64 },
+                max: if binary { self.max_binary } else { self.max },
             });
         }
-        if self.end - self.start < need {
+        if self.end - self.start < HEADER_LEN + len {
             return Ok(None);
         }
-        self.returned = need;
-        Ok(Some(&self.buf[self.start + HEADER_LEN..self.start + need]))
+        self.returned = HEADER_LEN + len;
+        self.last_binary = binary;
+        if binary && len < 8 {
+            return Err(FrameError::ShortBinary { len });
+        }
+        Ok(Some(binary))
     }
 
-    /// The next frame's body, reading from `r` as needed. `Ok(None)` at a clean end of stream
-    /// (EOF between frames); EOF inside a frame is [`FrameError::Truncated`]. A header over the
-    /// limit is [`FrameError::TooLarge`] before any of its body is read. The slice is valid
-    /// until the next call.
-    pub fn read_frame<R: Read + ?Sized>(&mut self, r: &mut R) -> Result<Option<&[u8]>, FrameError> {
+    /// The frame marked returned by [`FrameReader::front`].
+    fn returned_frame(&self, binary: bool) -> Frame<'_> {
+        let body = &self.buf[self.start + HEADER_LEN..self.start + self.returned];
+        match body.split_first_chunk::<8>() {
+            Some((id, data)) if binary => Frame::Binary {
+                id: u64::from_le_bytes(*id),
+                data,
+            },
+            _ => Frame::Json(body),
+        }
+    }
+
+    /// The complete frame at the front of the buffer, without reading. A binary frame shorter
+    /// than its id is [`FrameError::ShortBinary`] and is skipped (the stream stays usable).
+    pub fn next_any(&mut self) -> Result<Option<Frame<'_>>, FrameError> {
+        match self.front()? {
+            Some(binary) => Ok(Some(self.returned_frame(binary))),
+            None => Ok(None),
+        }
+    }
+
+    /// The next frame, reading from `r` as needed. `Ok(None)` at a clean end of stream (EOF
+    /// between frames); EOF inside a frame is [`FrameError::Truncated`]. A header over the
+    /// limit is [`FrameError::TooLarge`] before any of its body is read. The frame borrows the
+    /// buffer until the next call.
+    pub fn read_any<R: Read + ?Sized>(
+        &mut self,
+        r: &mut R,
+    ) -> Result<Option<Frame<'_>>, FrameError> {
         loop {
             // Checked in two steps so that the borrow of the buffer ends before `fill`.
-            if self.next_buffered()?.is_some() {
-                let body = self.start + HEADER_LEN..self.start + self.returned;
-                return Ok(Some(&self.buf[body]));
+            if let Some(binary) = self.front()? {
+                return Ok(Some(self.returned_frame(binary)));
             }
             if self.fill(r)? == 0 {
                 let have = self.end - self.start;
@@ -568,9 +1271,31 @@ impl FrameReader {
                 }
                 return Err(FrameError::Truncated {
                     have,
-                    need: self.needed().unwrap_or(HEADER_LEN),
+                    need: self
+                        .header()
+                        .map_or(HEADER_LEN, |(_, len)| HEADER_LEN + len),
                 });
             }
+        }
+    }
+
+    /// The body of the complete JSON frame at the front of the buffer, without reading; a
+    /// binary frame there is [`FrameError::UnexpectedBinary`] (and is skipped).
+    pub fn next_buffered(&mut self) -> Result<Option<&[u8]>, FrameError> {
+        match self.next_any()? {
+            None => Ok(None),
+            Some(Frame::Json(body)) => Ok(Some(body)),
+            Some(Frame::Binary { id, .. }) => Err(FrameError::UnexpectedBinary { id }),
+        }
+    }
+
+    /// The next JSON frame's body, reading from `r` as needed (see [`FrameReader::read_any`]);
+    /// for peers that send no binary frames: one is [`FrameError::UnexpectedBinary`].
+    pub fn read_frame<R: Read + ?Sized>(&mut self, r: &mut R) -> Result<Option<&[u8]>, FrameError> {
+        match self.read_any(r)? {
+            None => Ok(None),
+            Some(Frame::Json(body)) => Ok(Some(body)),
+            Some(Frame::Binary { id, .. }) => Err(FrameError::UnexpectedBinary { id }),
         }
     }
 }
@@ -749,13 +1474,43 @@ mod tests {
                 entropy: vec![],
             }),
             Call::Exec(ExecRequest::default()),
+            Call::FileRead(FileReadRequest::default()),
+            Call::FileWrite(FileWriteRequest::default()),
+            Call::FileList(FileListRequest::default()),
+            Call::FileStat(PathRequest::default()),
+            Call::FileMkdir(PathRequest::default()),
+            Call::FileRemove(FileRemoveRequest::default()),
+            Call::FileRename(FileRenameRequest::default()),
+            Call::FileWatch(FileWatchRequest::default()),
+            Call::StdinWrite(StdinWriteRequest::default()),
+            Call::StdinClose(PidRequest::default()),
+            Call::ProcessList,
+            Call::ProcessAttach(PidRequest::default()),
+            Call::ProcessSignal(ProcessSignalRequest::default()),
+            Call::ProcessResize(ProcessResizeRequest::default()),
+            Call::ContextCreate(ContextCreateRequest::default()),
+            Call::ContextList,
+            Call::ContextRestart(ContextRef::default()),
+            Call::ContextRemove(ContextRef::default()),
+            Call::RunCode(RunCodeRequest::default()),
+            Call::Interrupt(ContextRef::default()),
+            Call::Warmup(WarmupRequest::default()),
         ];
-        assert_eq!(calls.len(), CALL_TYPES.len());
-        for (call, name) in calls.iter().zip(CALL_TYPES) {
+        for call in &calls {
             let value = serde_json::to_value(call).unwrap();
-            assert_eq!(value["type"], name);
-            assert_eq!(call.type_name(), name);
+            assert_eq!(value["type"], call.type_name());
+            assert!(
+                CALL_TYPES.contains(&call.type_name()),
+                "{}",
+                call.type_name()
+            );
+            let back: Call = serde_json::from_value(value).unwrap();
+            assert_eq!(&back, call);
         }
+        let mut names = CALL_TYPES.to_vec();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), CALL_TYPES.len(), "no duplicates");
     }
 
     #[test]
@@ -794,9 +1549,7 @@ mod tests {
                 json!({"type": "exit", "signal": 9}),
             ),
             (
-                EventKind::End {
-                    status: EndStatus::TimedOut,
-                },
+                EventKind::end(EndStatus::TimedOut),
                 json!({"type": "end", "status": "timed_out"}),
             ),
             (
@@ -811,19 +1564,102 @@ mod tests {
     }
 
     #[test]
+    fn code_context_messages_round_trip() {
+        let mut run = RunCodeRequest::new("1 + 1");
+        run.context = Some("c1".into());
+        run.timeout_ms = Some(2000);
+        run.env.insert("A".into(), "b".into());
+        let request = Request {
+            id: 3,
+            call: Call::RunCode(run),
+        };
+        assert_eq!(
+            round_trip_request(&request),
+            json!({"id": 3, "call": {"type": "run_code", "context": "c1", "code": "1 + 1",
+                   "timeout_ms": 2000, "env": {"A": "b"}}})
+        );
+        let create = decode_request(br#"{"id":1,"call":{"type":"context_create"}}"#).unwrap();
+        match create.call {
+            Call::ContextCreate(req) => assert_eq!(req.language, "python"),
+            other => panic!("{other:?}"),
+        }
+        let warmup = decode_request(
+            br#"{"id":1,"call":{"type":"warmup","code":"import x","spare":{"python":1},
+                 "contexts":[{"id":"default","language":"bash"}]}}"#,
+        )
+        .unwrap();
+        match warmup.call {
+            Call::Warmup(req) => {
+                assert_eq!(req.spare.get("python"), Some(&1));
+                assert_eq!(req.contexts[0].language, "bash");
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut data = MimeBundle::new();
+        data.insert("text/plain".into(), json!("2"));
+        data.insert("application/json".into(), json!({"a": [1]}));
+        let cases = [
+            (
+                EventKind::Result(ResultData {
+                    data: data.clone(),
+                    execution_count: Some(4),
+                }),
+                json!({"type": "result", "data": {"text/plain": "2", "application/json": {"a": [1]}},
+                       "execution_count": 4}),
+            ),
+            (
+                EventKind::Display(DisplayData {
+                    data,
+                    metadata: None,
+                }),
+                json!({"type": "display", "data": {"text/plain": "2", "application/json": {"a": [1]}}}),
+            ),
+            (
+                EventKind::Exception(Exception {
+                    name: "E".into(),
+                    value: "v".into(),
+                    traceback: vec!["t".into()],
+                }),
+                json!({"type": "exception", "name": "E", "value": "v", "traceback": ["t"]}),
+            ),
+            (
+                EventKind::Truncated { limit: 10 },
+                json!({"type": "truncated", "limit": 10}),
+            ),
+            (
+                EventKind::ContextRestarted { reason: "r".into() },
+                json!({"type": "context_restarted", "reason": "r"}),
+            ),
+            (
+                EventKind::End {
+                    status: EndStatus::ContextDied,
+                    execution_count: Some(2),
+                    duration_ms: Some(15),
+                },
+                json!({"type": "end", "status": "context_died", "execution_count": 2,
+                       "duration_ms": 15}),
+            ),
+            // v1 output is unchanged.
+            (
+                EventKind::end(EndStatus::Ok),
+                json!({"type": "end", "status": "ok"}),
+            ),
+        ];
+        for (kind, expected) in cases {
+            let value = round_trip_event(&Event { id: 9, event: kind });
+            assert_eq!(value, json!({"id": 9, "event": expected}));
+        }
+    }
+
+    #[test]
     fn newer_agents_events_decode_as_unknown() {
         let event =
-            decode_event(br#"{"id":1,"event":{"type":"display","mime":"image/png"}}"#).unwrap();
+            decode_event(br#"{"id":1,"event":{"type":"hologram","mime":"image/png"}}"#).unwrap();
         assert_eq!(event.event, EventKind::Unknown);
         assert!(!event.event.is_terminal());
         let event =
             decode_event(br#"{"id":1,"event":{"type":"end","status":"cancelled"}}"#).unwrap();
-        assert_eq!(
-            event.event,
-            EventKind::End {
-                status: EndStatus::Unknown
-            }
-        );
+        assert_eq!(event.event, EventKind::end(EndStatus::Unknown));
         let event = decode_event(
             br#"{"id":1,"event":{"type":"error","code":"quota","message":"m","extra":1}}"#,
         )
@@ -870,9 +1706,9 @@ mod tests {
     #[test]
     fn request_errors_are_classified() {
         let (id, err) =
-            decode_request(br#"{"id":7,"call":{"type":"run_code","code":"1+1"}}"#).unwrap_err();
+            decode_request(br#"{"id":7,"call":{"type":"teleport","code":"1+1"}}"#).unwrap_err();
         assert_eq!((id, err.code), (7, ErrorCode::UnknownCall));
-        assert!(err.message.contains("\"run_code\""), "{}", err.message);
+        assert!(err.message.contains("\"teleport\""), "{}", err.message);
         assert!(err.message.contains("ping, sync, exec"), "{}", err.message);
 
         let (id, err) = decode_request(br#"{"id":8,"call":{"type":"exec"}}"#).unwrap_err();
@@ -1111,6 +1947,196 @@ mod tests {
             entropy: vec![0; MAX_ENTROPY],
         })
         .unwrap();
+    }
+
+    #[test]
+    fn binary_frames_interleave_with_json_frames() {
+        let mut stream = Vec::new();
+        encode_frame(
+            &Request {
+                id: 1,
+                call: Call::Ping,
+            },
+            &mut stream,
+            MAX_FRAME,
+        )
+        .unwrap();
+        encode_binary_frame(7, b"raw \x00\xff bytes", &mut stream).unwrap();
+        encode_binary_frame(7, b"", &mut stream).unwrap();
+        // Header: bit 31 set, length = 8 (id) + payload.
+        assert_eq!(&binary_header(7, 3)[..4], &(BINARY_FLAG | 11).to_le_bytes());
+        for max_per_read in [1, 5, usize::MAX] {
+            let mut reads = 0;
+            let mut src = CountingReader {
+                data: &stream,
+                reads: &mut reads,
+                max_per_read,
+            };
+            let mut reader = FrameReader::new(MAX_FRAME);
+            assert!(matches!(
+                reader.read_any(&mut src).unwrap(),
+                Some(Frame::Json(body)) if decode_request(body).unwrap().id == 1
+            ));
+            assert_eq!(
+                reader.read_any(&mut src).unwrap(),
+                Some(Frame::Binary {
+                    id: 7,
+                    data: &b"raw \x00\xff bytes"[..]
+                })
+            );
+            assert_eq!(
+                reader.read_any(&mut src).unwrap(),
+                Some(Frame::Binary { id: 7, data: &[] })
+            );
+            assert_eq!(reader.read_any(&mut src).unwrap(), None);
+        }
+        // JSON-only readers refuse binary frames (and skip them).
+        let mut reader = FrameReader::new(MAX_FRAME);
+        let mut src = &stream[..];
+        reader.read_frame(&mut src).unwrap().unwrap();
+        assert!(matches!(
+            reader.read_frame(&mut src),
+            Err(FrameError::UnexpectedBinary { id: 7 })
+        ));
+        // A frame can be put back.
+        let mut reader = FrameReader::new(MAX_FRAME);
+        let mut src = &stream[..];
+        reader.read_any(&mut src).unwrap();
+        reader.unread();
+        assert!(matches!(
+            reader.read_any(&mut src),
+            Ok(Some(Frame::Json(_)))
+        ));
+    }
+
+    #[test]
+    fn binary_frame_limits() {
+        // The encoder refuses more than a chunk.
+        let mut out = Vec::new();
+        assert!(matches!(
+            encode_binary_frame(1, &vec![0; MAX_BINARY_CHUNK + 1], &mut out),
+            Err(FrameError::TooLarge { .. })
+        ));
+        assert!(out.is_empty());
+        encode_binary_frame(1, &vec![0; MAX_BINARY_CHUNK], &mut out).unwrap();
+        // A reader with a chunk limit refuses larger payloads before reading them.
+        let mut big = binary_header(1, MAX_BINARY_CHUNK + 1).to_vec();
+        big.extend_from_slice(&[0; 16]);
+        let mut reader = FrameReader::new(MAX_FRAME).with_binary_limit(MAX_BINARY_CHUNK as u32);
+        assert!(matches!(
+            reader.read_any(&mut &big[..]),
+            Err(FrameError::TooLarge { len, .. }) if len == MAX_BINARY_CHUNK as u64 + 1
+        ));
+        let mut reader = FrameReader::new(MAX_FRAME).with_binary_limit(MAX_BINARY_CHUNK as u32);
+        assert!(matches!(
+            reader.read_any(&mut &out[..]),
+            Ok(Some(Frame::Binary { id: 1, data })) if data.len() == MAX_BINARY_CHUNK
+        ));
+        // A binary frame too short for its id is skipped with an error.
+        let mut short = (BINARY_FLAG | 3).to_le_bytes().to_vec();
+        short.extend_from_slice(b"abc");
+        encode_binary_frame(2, b"x", &mut short).unwrap();
+        let mut reader = FrameReader::new(MAX_FRAME);
+        let mut src = &short[..];
+        assert!(matches!(
+            reader.read_any(&mut src),
+            Err(FrameError::ShortBinary { len: 3 })
+        ));
+        assert_eq!(
+            reader.read_any(&mut src).unwrap(),
+            Some(Frame::Binary { id: 2, data: b"x" })
+        );
+    }
+
+    #[test]
+    fn file_and_process_events_round_trip() {
+        let cases = [
+            (
+                EventKind::Started { pid: 42 },
+                json!({"type": "started", "pid": 42}),
+            ),
+            (
+                EventKind::FileInfo(FileInfo {
+                    size: 5,
+                    mode: 0o100644,
+                    mtime_ms: 1,
+                }),
+                json!({"type": "file_info", "size": 5, "mode": 0o100644, "mtime_ms": 1}),
+            ),
+            (
+                EventKind::Written {
+                    path: "/a".into(),
+                    bytes: 3,
+                },
+                json!({"type": "written", "path": "/a", "bytes": 3}),
+            ),
+            (
+                EventKind::Entries {
+                    entries: vec![DirEntry {
+                        path: "/a/b".into(),
+                        name: "b".into(),
+                        kind: FileType::Dir,
+                        size: 0,
+                        mode: 0o40755,
+                        mtime_ms: 2,
+                    }],
+                },
+                json!({"type": "entries", "entries": [{"path": "/a/b", "name": "b",
+                       "type": "dir", "size": 0, "mode": 0o40755, "mtime_ms": 2}]}),
+            ),
+            (
+                EventKind::Stat {
+                    stat: FileStat {
+                        path: "/a".into(),
+                        kind: FileType::Symlink,
+                        size: 1,
+                        mode: 0o120777,
+                        mtime_ms: 3,
+                    },
+                },
+                json!({"type": "stat", "stat": {"path": "/a", "type": "symlink", "size": 1,
+                       "mode": 0o120777, "mtime_ms": 3}}),
+            ),
+            (
+                EventKind::FsEvent {
+                    path: "/w/x".into(),
+                    op: FsOp::Create,
+                },
+                json!({"type": "fs_event", "path": "/w/x", "op": "create"}),
+            ),
+            (
+                EventKind::Processes {
+                    processes: vec![ProcessInfo {
+                        pid: 9,
+                        argv: vec!["sleep".into()],
+                        background: true,
+                        pty: false,
+                        running: false,
+                        exit: Some(ExitStatus::Code(0)),
+                    }],
+                },
+                json!({"type": "processes", "processes": [{"pid": 9, "argv": ["sleep"],
+                       "background": true, "pty": false, "running": false,
+                       "exit": {"code": 0}}]}),
+            ),
+        ];
+        for (kind, expected) in cases {
+            let value = round_trip_event(&Event { id: 3, event: kind });
+            assert_eq!(value, json!({"id": 3, "event": expected}));
+        }
+        let mut exec = ExecRequest::new(["sh"]);
+        exec.background = true;
+        exec.stdin_stream = true;
+        exec.pty = Some(PtySize { cols: 80, rows: 24 });
+        exec.user = ExecUser::User;
+        assert_eq!(
+            round_trip_request(&Request {
+                id: 1,
+                call: Call::Exec(exec)
+            }),
+            json!({"id": 1, "call": {"type": "exec", "argv": ["sh"], "background": true,
+                   "stdin_stream": true, "pty": {"cols": 80, "rows": 24}, "user": "user"}})
+        );
     }
 
     #[test]

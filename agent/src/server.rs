@@ -19,10 +19,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::exec::{self, ExecEnv, Sink};
+use crate::contexts::{ContextConfig, Contexts};
+use crate::exec::{ExecEnv, Sink};
+use crate::files::{self, Wire};
+use crate::procs::Procs;
 use crate::protocol::{
-    self, Call, EndStatus, ErrorCode, ErrorInfo, Event, EventKind, FrameError, FrameReader, Pong,
-    SyncRequest, Synced, CONNECTION_ID, MAX_FRAME, PROTOCOL_VERSION,
+    self, Call, EndStatus, ErrorCode, ErrorInfo, Event, EventKind, Frame, FrameError, FrameReader,
+    Pong, SyncRequest, Synced, CONNECTION_ID, MAX_FRAME, PROTOCOL_VERSION,
 };
 use crate::reaper::Children;
 use crate::system::System;
@@ -48,6 +51,10 @@ pub struct Server {
     system: Box<dyn System>,
     children: Children,
     exec: ExecEnv,
+    /// The processes `exec` started (shared by all connections).
+    procs: Procs,
+    /// The code contexts (`run_code` and friends).
+    contexts: Arc<Contexts>,
 }
 
 impl std::fmt::Debug for Server {
@@ -99,21 +106,64 @@ impl<S: Read + Write + AsFd> Sink for Conn<'_, S> {
     }
 }
 
+impl<S: Read + Write + AsFd> Wire for Conn<'_, S> {
+    fn out(&mut self) -> &mut Vec<u8> {
+        &mut self.out
+    }
+
+    fn call_id(&self) -> u64 {
+        self.id
+    }
+
+    fn event_for(&mut self, id: u64, kind: EventKind) {
+        let current = std::mem::replace(&mut self.id, id);
+        self.event(kind);
+        self.id = current;
+    }
+
+    fn read_any<'r>(
+        &mut self,
+        reader: &'r mut FrameReader,
+    ) -> Result<Option<Frame<'r>>, FrameError> {
+        reader.read_any(&mut *self.stream)
+    }
+}
+
+/// Output buffer capacity kept between calls (a `file_read` grows it to a binary chunk).
+const KEEP_OUT: usize = 256 * 1024;
+
 impl Server {
     /// A server using `system` for `ping`/`sync`, `children` to wait for programs, and `exec`
     /// for what programs get.
     pub fn new(system: Box<dyn System>, children: Children, exec: ExecEnv) -> Self {
+        let contexts = Arc::new(Contexts::new(ContextConfig::from_env(), children.clone()));
         Self {
             system,
             children,
             exec,
+            procs: Procs::new(),
+            contexts,
         }
+    }
+
+    /// Replaces the code contexts' configuration (before serving: tests point it at the
+    /// repository's driver).
+    pub fn with_context_config(mut self, config: ContextConfig) -> Self {
+        self.contexts = Arc::new(Contexts::new(config, self.children.clone()));
+        self
+    }
+
+    /// The code contexts.
+    pub fn contexts(&self) -> &Arc<Contexts> {
+        &self.contexts
     }
 
     /// Serves one connection until the host closes it (`Ok`) or it becomes unusable (`Err`:
     /// an I/O error, a truncated frame, or a frame over [`MAX_FRAME`], which is answered with
     /// a `frame_too_large` error before closing).
     pub fn serve_connection<S: Read + Write + AsFd>(&self, mut stream: S) -> io::Result<()> {
+        // Binary frames up to the JSON limit are read (and a `file_write` answers those over
+        // MAX_BINARY_CHUNK with `oversize_chunk`); larger ones close the connection.
         let mut reader = FrameReader::new(MAX_FRAME);
         let mut conn = Conn {
             stream: &mut stream,
@@ -121,9 +171,22 @@ impl Server {
             id: CONNECTION_ID,
         };
         loop {
-            let request = match reader.read_frame(&mut *conn.stream) {
-                Ok(Some(body)) => protocol::decode_request(body),
+            let request = match reader.read_any(&mut *conn.stream) {
+                Ok(Some(Frame::Json(body))) => protocol::decode_request(body),
+                Ok(Some(Frame::Binary { id, .. })) => Err((
+                    id,
+                    ErrorInfo::new(
+                        ErrorCode::BadRequest,
+                        format!(
+                            "binary frame for call {id}, which is not a file_write in progress"
+                        ),
+                    ),
+                )),
                 Ok(None) => return Ok(()),
+                Err(e @ FrameError::ShortBinary { .. }) => Err((
+                    CONNECTION_ID,
+                    ErrorInfo::new(ErrorCode::BadFrame, e.to_string()),
+                )),
                 Err(FrameError::Io(e)) => return Err(e),
                 Err(e @ FrameError::TooLarge { .. }) => {
                     // The stream cannot be resynchronised without reading the body; say why and
@@ -141,7 +204,7 @@ impl Server {
             match request {
                 Ok(request) => {
                     conn.id = request.id;
-                    self.dispatch(request.call, &mut conn)?;
+                    self.dispatch(request.call, &mut conn, &mut reader)?;
                 }
                 Err((id, info)) => {
                     conn.id = id;
@@ -149,6 +212,9 @@ impl Server {
                 }
             }
             conn.flush()?;
+            if conn.out.capacity() > KEEP_OUT {
+                conn.out = Vec::with_capacity(4096);
+            }
         }
     }
 
@@ -156,24 +222,42 @@ impl Server {
         &self,
         call: Call,
         conn: &mut Conn<'_, S>,
+        reader: &mut FrameReader,
     ) -> io::Result<()> {
         match call {
             Call::Ping => {
                 conn.event(EventKind::Pong(self.pong()));
-                conn.event(EventKind::End {
-                    status: EndStatus::Ok,
-                });
+                conn.event(EventKind::end(EndStatus::Ok));
             }
             Call::Sync(sync) => match self.sync(&sync) {
                 Ok(synced) => {
                     conn.event(EventKind::Synced(synced));
-                    conn.event(EventKind::End {
-                        status: EndStatus::Ok,
-                    });
+                    conn.event(EventKind::end(EndStatus::Ok));
                 }
                 Err(info) => conn.event(EventKind::Error(info)),
             },
-            Call::Exec(req) => exec::run(&self.exec, &self.children, &req, conn)?,
+            Call::Exec(req) => self.procs.exec(&self.exec, &self.children, &req, conn)?,
+            call @ (Call::FileRead(_)
+            | Call::FileWrite(_)
+            | Call::FileList(_)
+            | Call::FileStat(_)
+            | Call::FileMkdir(_)
+            | Call::FileRemove(_)
+            | Call::FileRename(_)
+            | Call::FileWatch(_)) => files::serve(call, conn, reader)?,
+            call @ (Call::StdinWrite(_)
+            | Call::StdinClose(_)
+            | Call::ProcessList
+            | Call::ProcessAttach(_)
+            | Call::ProcessSignal(_)
+            | Call::ProcessResize(_)) => self.procs.serve(call, conn)?,
+            Call::ContextCreate(req) => self.contexts.context_create(&req, conn),
+            Call::ContextList => self.contexts.context_list(conn),
+            Call::ContextRestart(req) => self.contexts.context_restart(&req, conn),
+            Call::ContextRemove(req) => self.contexts.context_remove(&req, conn),
+            Call::RunCode(req) => self.contexts.run_code(&req, conn)?,
+            Call::Interrupt(req) => self.contexts.interrupt(&req, conn),
+            Call::Warmup(req) => self.contexts.warmup(&req, conn)?,
         }
         Ok(())
     }
@@ -203,6 +287,7 @@ impl Server {
         if !failures.is_empty() {
             return Err(ErrorInfo::new(ErrorCode::SyncFailed, failures.join("; ")));
         }
+        self.contexts.note_sync();
         let step = i128::from(req.wall_clock_ns) - before;
         Ok(Synced {
             clock_step_ns: i64::try_from(step).unwrap_or(if step < 0 {
@@ -434,9 +519,7 @@ mod tests {
     }
 
     fn end_ok() -> EventKind {
-        EventKind::End {
-            status: EndStatus::Ok,
-        }
+        EventKind::end(EndStatus::Ok)
     }
 
     #[test]
@@ -544,7 +627,7 @@ mod tests {
         };
         raw(
             &mut stream,
-            br#"{"id":3,"call":{"type":"run_code","code":"1"}}"#,
+            br#"{"id":3,"call":{"type":"teleport","code":"1"}}"#,
         );
         let events = events_until_end(&mut reader, &mut stream);
         assert_eq!(events.len(), 1);
@@ -635,8 +718,9 @@ mod tests {
         assert!(first.iter().all(|e| e.id == 1));
         let second = events_until_end(&mut reader, &mut stream);
         assert!(second.iter().all(|e| e.id == 2));
+        assert!(matches!(second[0].event, EventKind::Started { pid } if pid > 0));
         assert_eq!(
-            kinds(&second),
+            kinds(&second[1..]),
             [
                 EventKind::Stdout {
                     data: b"after sync\n".to_vec()
@@ -669,6 +753,11 @@ mod tests {
         req.timeout_ms = Some(10_000);
         send(&mut long, 1, Call::Exec(req));
         let mut long_reader = FrameReader::new(MAX_FRAME);
+        let body = long_reader.read_frame(&mut long).unwrap().unwrap();
+        assert!(matches!(
+            decode_event(body).unwrap().event,
+            EventKind::Started { .. }
+        ));
         let body = long_reader.read_frame(&mut long).unwrap().unwrap();
         assert!(matches!(
             decode_event(body).unwrap().event,

@@ -1,5 +1,7 @@
 //! `ember`: boot, snapshot and restore microVMs, run sandboxes, and benchmark them.
 
+mod cli;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -26,6 +28,11 @@ struct Cli {
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Cmd {
+    /// Run code in a fresh sandbox from a template, print what it produced, throw it away.
+    Run(cli::run::RunArgs),
+    /// Build, list and remove templates (warm snapshots sandboxes start from).
+    #[command(subcommand)]
+    Template(cli::template::TemplateCmd),
     /// Work with single VMs.
     #[command(subcommand)]
     Vm(VmCmd),
@@ -118,6 +125,9 @@ enum BenchCmd {
     Clones(BenchClonesArgs),
     /// Device throughput and latency in a guest (vsock, net, blk) beside the same on the host.
     Devices(BenchDevicesArgs),
+    /// Code interpreter: bare restore → ping vs restore → first `run_code` result, `run_code`
+    /// round trip, guest page faults per call.
+    Sandbox(cli::bench_sandbox::BenchSandboxArgs),
 }
 
 #[derive(Debug, Args)]
@@ -880,6 +890,8 @@ fn bench_boot(a: BenchBootArgs) -> ExitCode {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
+        Cmd::Run(a) => cli::run::main(a),
+        Cmd::Template(c) => cli::template::main(c),
         Cmd::Vm(VmCmd::Boot(a)) => vm_boot(a),
         Cmd::Vm(VmCmd::Restore(a)) => vm_restore(a),
         Cmd::Vm(VmCmd::Snapshot(a)) => vm_snapshot(a),
@@ -903,6 +915,7 @@ fn main() -> ExitCode {
         Cmd::Bench(BenchCmd::Restore(a)) => bench_restore(a),
         Cmd::Bench(BenchCmd::Clones(a)) => bench_clones(a),
         Cmd::Bench(BenchCmd::Devices(a)) => bench_devices(a),
+        Cmd::Bench(BenchCmd::Sandbox(a)) => cli::bench_sandbox::main(a),
         Cmd::Images { template } => {
             let k = images::default_kernel();
             let r = images::default_rootfs(&template);

@@ -26,7 +26,8 @@ use crate::memory::{self, MemoryError};
 use crate::report::{Reporter, StartTime};
 use crate::vcpu::{self, Vcpu, VcpuExitReason, VcpuHandle};
 use ember_devices::virtio::net::{Net, NetConfig, NetError};
-use ember_devices::virtio::vsock::{Vsock, VsockConfig, VsockError};
+pub use ember_devices::virtio::vsock::VsockConfig;
+use ember_devices::virtio::vsock::{Vsock, VsockError};
 
 /// The kernel command line ember starts from (before the root device, CPU-profile masks,
 /// device entries and user additions).

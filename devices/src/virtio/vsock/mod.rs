@@ -787,6 +787,11 @@ impl ember_snapshot::Persist for Vsock {
             None
         };
         let mut dev = Vsock::new(config)?;
+        // The guest may still hold sockets of connections made before the snapshot (reset by
+        // the transport reset, but closed only when their owner next runs). A new host
+        // connection on the same port pair would land on such a stale socket and be refused,
+        // so a restored device allocates host ports from a random point of the range.
+        dev.muxer.randomize_next_port();
         dev.acked = state.acked_features;
         if let Some(a) = active {
             dev.active = Some(a);

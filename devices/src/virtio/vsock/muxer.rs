@@ -394,6 +394,24 @@ impl Muxer {
         }
     }
 
+    /// Starts host-port allocation at a random point of `[LOCAL_PORT_START, u32::MAX]` (used
+    /// after a restore, so that new connections do not reuse the snapshot's port pairs).
+    pub fn randomize_next_port(&mut self) {
+        let mut b = [0u8; 4];
+        // SAFETY: getrandom writes at most `b.len()` bytes into the valid buffer `b`.
+        let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), libc::GRND_NONBLOCK) };
+        let r = if n == 4 {
+            u32::from_le_bytes(b)
+        } else {
+            // No entropy yet (never the case on a running host): the clock's low bits.
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.subsec_nanos())
+                .unwrap_or(0)
+        };
+        self.next_port = LOCAL_PORT_START | (r & !LOCAL_PORT_START);
+    }
+
     fn allocate_port(&mut self, peer_port: u32) -> u32 {
         loop {
             let p = self.next_port;

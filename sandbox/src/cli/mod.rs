@@ -1,0 +1,15 @@
+//! `ember` subcommands, one file per group (the older `vm`/`bench` groups still live in
+//! `main.rs`).
+
+pub mod bench_sandbox;
+pub mod render;
+pub mod run;
+pub mod template;
+
+use std::process::ExitCode;
+
+/// Prints `ember: error: MSG` and returns exit status 1.
+pub fn fail(msg: impl std::fmt::Display) -> ExitCode {
+    eprintln!("ember: error: {msg}");
+    ExitCode::from(1)
+}

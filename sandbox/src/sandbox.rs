@@ -1,0 +1,758 @@
+//! A sandbox handle: one VM restored from a template (or any snapshot) in its own `ember-vmm`
+//! process, with its own copy-on-write root overlay and vsock socket, and the agent calls an
+//! agent platform needs — `run_code` in persistent contexts, `exec`, files — for in-process
+//! use. The runtime (ids that outlive the process, lifecycle, the server) builds on this.
+//!
+//! Every call takes a connection from a small pool (opening one costs the guest an `accept`),
+//! so calls from several threads run concurrently, each on its own connection; a connection
+//! that saw an error is dropped, never reused. The first connection sends `sync` (the host's
+//! clock and fresh entropy) before anything else, so clones of one template never share RNG
+//! state or a stale clock.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use ember_agent::client::{Client, ClientError, FileWriteOptions};
+use ember_agent::protocol::{self, Call, EndStatus, EventKind};
+
+use crate::paths;
+use crate::template::{Template, AGENT_PORT};
+
+/// A connection to the sandbox's agent.
+pub type AgentClient = Client<UnixStream>;
+
+/// Errors of a sandbox. Each says what was being done.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    /// Files of the sandbox on the host.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// On which path.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The VMM did not start or died.
+    #[error("sandbox {id}: {message}")]
+    Vmm {
+        /// The sandbox.
+        id: String,
+        /// What happened.
+        message: String,
+    },
+    /// The agent call failed (transport, protocol, or the agent's own error).
+    #[error("sandbox {id}: {call}: {source}")]
+    Agent {
+        /// The sandbox.
+        id: String,
+        /// The call.
+        call: &'static str,
+        /// Why.
+        source: ClientError,
+    },
+    /// The sandbox was killed.
+    #[error("sandbox {0} is no longer running")]
+    Gone(String),
+}
+
+/// How to create a sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxOptions {
+    /// The directory for its files (VMM report, sockets, overlay, console); default
+    /// `$EMBER_HOME/run/<id>`, removed when the sandbox is killed.
+    pub workdir: Option<PathBuf>,
+    /// The VMM binary (default: [`ember_vmm::launcher::find_vmm_binary`]).
+    pub vmm: Option<PathBuf>,
+    /// How long the restored guest may take to answer (default 60 s).
+    pub connect_timeout: Duration,
+}
+
+impl Default for SandboxOptions {
+    fn default() -> Self {
+        Self {
+            workdir: None,
+            vmm: None,
+            connect_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Timings of a create, milliseconds from spawning the VMM.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CreateTimings {
+    /// Spawn → the vsock socket exists (the VM is built and about to run).
+    pub vmm_ready_ms: f64,
+    /// Spawn → the agent answered `sync` (clock and entropy set).
+    pub synced_ms: f64,
+}
+
+/// A running sandbox.
+#[derive(Debug)]
+pub struct Sandbox {
+    id: String,
+    dir: PathBuf,
+    uds: PathBuf,
+    api: PathBuf,
+    child: Mutex<Option<Child>>,
+    pool: Mutex<Vec<AgentClient>>,
+    template: Option<String>,
+    timings: CreateTimings,
+    env: BTreeMap<String, String>,
+}
+
+/// A pooled connection; goes back to the pool on drop unless a call on it failed.
+struct Conn<'a> {
+    sandbox: &'a Sandbox,
+    client: Option<AgentClient>,
+    healthy: bool,
+}
+
+impl Drop for Conn<'_> {
+    fn drop(&mut self) {
+        if let (true, Some(c)) = (self.healthy, self.client.take()) {
+            if let Ok(mut pool) = self.sandbox.pool.lock() {
+                if pool.len() < 8 {
+                    pool.push(c);
+                }
+            }
+        }
+    }
+}
+
+/// Longest a single file transfer may take (1 GiB at the slowest vsock rate measured here,
+/// ~1 MiB/s, with margin).
+const FILE_TIMEOUT: Duration = Duration::from_secs(4 * 3600);
+
+/// Counts what goes through to the inner writer.
+struct Counted<'a, W: Write>(&'a mut W, u64);
+
+impl<W: Write> Write for Counted<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.0.write(buf)?;
+        self.1 += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
+/// How a `run_code` ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunEnd {
+    /// The agent's end status.
+    pub status: EndStatus,
+    /// IPython's execution count after the cell (python contexts).
+    pub execution_count: Option<u64>,
+    /// Time the agent measured, in milliseconds.
+    pub duration_ms: Option<u64>,
+}
+
+fn io_err(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> SandboxError {
+    let path = path.to_path_buf();
+    move |source| SandboxError::Io { what, path, source }
+}
+
+impl Sandbox {
+    /// Restores `template` into a new sandbox.
+    pub fn create(template: &Template, opts: &SandboxOptions) -> Result<Sandbox, SandboxError> {
+        let mut s = Sandbox::restore(&template.snapshot_dir(), opts)?;
+        s.template = Some(template.info.name.clone());
+        s.env = template.info.env.clone();
+        Ok(s)
+    }
+
+    /// Restores the snapshot in `snapshot` (a template's, or one taken with
+    /// [`Sandbox::snapshot`]) into a new sandbox.
+    pub fn restore(snapshot: &Path, opts: &SandboxOptions) -> Result<Sandbox, SandboxError> {
+        let id = paths::random_id();
+        let dir = opts
+            .workdir
+            .clone()
+            .unwrap_or_else(|| paths::run_dir().join(&id));
+        std::fs::create_dir_all(&dir).map_err(io_err("cannot create", &dir))?;
+        let vmm = match &opts.vmm {
+            Some(v) => v.clone(),
+            None => ember_vmm::launcher::find_vmm_binary().map_err(|e| SandboxError::Vmm {
+                id: id.clone(),
+                message: e.to_string(),
+            })?,
+        };
+        let uds = dir.join("vsock");
+        let api = dir.join("api.sock");
+        let overlay = dir.join("root.overlay");
+        let log = dir.join("vmm.log");
+        let stderr = std::fs::File::create(&log).map_err(io_err("cannot create", &log))?;
+        let t0 = Instant::now();
+        let child = Command::new(&vmm)
+            .arg("--restore")
+            .arg(snapshot)
+            .arg("--vsock-uds")
+            .arg(&uds)
+            .arg("--disk-path")
+            .arg(&overlay)
+            .arg("--api-sock")
+            .arg(&api)
+            .arg("--report")
+            .arg(dir.join("report.jsonl"))
+            .arg("--serial")
+            .arg(format!("file:{}", dir.join("console.log").display()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .map_err(|e| SandboxError::Vmm {
+                id: id.clone(),
+                message: format!("cannot start {}: {e}", vmm.display()),
+            })?;
+        let mut sandbox = Sandbox {
+            id,
+            dir,
+            uds,
+            api,
+            child: Mutex::new(Some(child)),
+            pool: Mutex::new(Vec::new()),
+            template: None,
+            timings: CreateTimings::default(),
+            env: BTreeMap::new(),
+        };
+        // From here on, a failure kills the VMM (Drop).
+        sandbox.wait_socket(t0, opts.connect_timeout)?;
+        sandbox.timings.vmm_ready_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let left = opts.connect_timeout.saturating_sub(t0.elapsed());
+        let mut client =
+            Client::connect_uds(&sandbox.uds, AGENT_PORT, left.max(Duration::from_secs(1)))
+                .map_err(|source| sandbox.agent_err("connect", source))?;
+        client
+            .sync_now()
+            .map_err(|source| sandbox.agent_err("sync", source))?;
+        sandbox.timings.synced_ms = t0.elapsed().as_secs_f64() * 1e3;
+        sandbox
+            .pool
+            .lock()
+            .map_err(|_| SandboxError::Gone(sandbox.id.clone()))?
+            .push(client);
+        Ok(sandbox)
+    }
+
+    fn wait_socket(&self, t0: Instant, timeout: Duration) -> Result<(), SandboxError> {
+        loop {
+            if self.uds.exists() {
+                return Ok(());
+            }
+            if let Some(message) = self.exited()? {
+                return Err(SandboxError::Vmm {
+                    id: self.id.clone(),
+                    message,
+                });
+            }
+            if t0.elapsed() > timeout {
+                return Err(SandboxError::Vmm {
+                    id: self.id.clone(),
+                    message: format!("the VMM did not open its vsock socket within {timeout:?}"),
+                });
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// `Some(reason)` when the VMM has exited (with its own message when it left one).
+    fn exited(&self) -> Result<Option<String>, SandboxError> {
+        let mut child = self
+            .child
+            .lock()
+            .map_err(|_| SandboxError::Gone(self.id.clone()))?;
+        let Some(c) = child.as_mut() else {
+            return Ok(Some("killed".into()));
+        };
+        match c.try_wait() {
+            Ok(Some(status)) => {
+                let log = std::fs::read_to_string(self.dir.join("vmm.log")).unwrap_or_default();
+                let last = log
+                    .lines()
+                    .rev()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("");
+                Ok(Some(format!("the VMM exited ({status}): {last}")))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    fn agent_err(&self, call: &'static str, source: ClientError) -> SandboxError {
+        SandboxError::Agent {
+            id: self.id.clone(),
+            call,
+            source,
+        }
+    }
+
+    fn conn(&self) -> Result<Conn<'_>, SandboxError> {
+        let pooled = self
+            .pool
+            .lock()
+            .map_err(|_| SandboxError::Gone(self.id.clone()))?
+            .pop();
+        let client = match pooled {
+            Some(c) => c,
+            None => {
+                if let Some(message) = self.exited()? {
+                    return Err(SandboxError::Vmm {
+                        id: self.id.clone(),
+                        message,
+                    });
+                }
+                Client::connect_uds(&self.uds, AGENT_PORT, Duration::from_secs(30))
+                    .map_err(|source| self.agent_err("connect", source))?
+            }
+        };
+        Ok(Conn {
+            sandbox: self,
+            client: Some(client),
+            healthy: true,
+        })
+    }
+
+    /// Runs one call on a pooled connection, passing its events to `on_event`.
+    pub fn call(
+        &self,
+        call: &Call,
+        timeout: Duration,
+        mut on_event: impl FnMut(EventKind) -> Result<(), ClientError>,
+    ) -> Result<EndStatus, SandboxError> {
+        let mut conn = self.conn()?;
+        let name = call.type_name();
+        let client = conn.client.as_mut().expect("client present");
+        match client.call(call, timeout, &mut on_event) {
+            Ok(status) => Ok(status),
+            Err(e) => {
+                // A remote error (the agent answered `error`) leaves the connection usable.
+                conn.healthy = matches!(e, ClientError::Remote(_));
+                Err(self.agent_err(name, e))
+            }
+        }
+    }
+
+    /// Runs `f` with a pooled connection (for the client's own streaming helpers).
+    pub fn with_client<T>(
+        &self,
+        name: &'static str,
+        f: impl FnOnce(&mut AgentClient) -> Result<T, ClientError>,
+    ) -> Result<T, SandboxError> {
+        let mut conn = self.conn()?;
+        let client = conn.client.as_mut().expect("client present");
+        match f(client) {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                conn.healthy = matches!(e, ClientError::Remote(_));
+                Err(self.agent_err(name, e))
+            }
+        }
+    }
+
+    /// Runs code (see `run_code` in `agent/PROTOCOL.md`); events stream to `on_event` as the
+    /// guest produces them.
+    pub fn run_code(
+        &self,
+        req: &protocol::RunCodeRequest,
+        mut on_event: impl FnMut(&EventKind),
+    ) -> Result<RunEnd, SandboxError> {
+        let timeout = req
+            .timeout_ms
+            .map(|ms| Duration::from_millis(ms) + Duration::from_secs(30))
+            .unwrap_or(Duration::from_secs(24 * 3600));
+        let mut end = RunEnd {
+            status: EndStatus::Unknown,
+            execution_count: None,
+            duration_ms: None,
+        };
+        let status = self.call(&Call::RunCode(req.clone()), timeout, |ev| {
+            if let EventKind::End {
+                execution_count,
+                duration_ms,
+                ..
+            } = &ev
+            {
+                end.execution_count = *execution_count;
+                end.duration_ms = *duration_ms;
+            }
+            on_event(&ev);
+            Ok(())
+        })?;
+        end.status = status;
+        Ok(end)
+    }
+
+    /// Runs `code` in the default context and collects everything it produced.
+    pub fn run(&self, code: &str) -> Result<Execution, SandboxError> {
+        let mut x = Execution::default();
+        let req = protocol::RunCodeRequest {
+            code: code.into(),
+            ..Default::default()
+        };
+        let end = self.run_code(&req, |ev| x.push(ev))?;
+        x.end = Some(end);
+        Ok(x)
+    }
+
+    /// Creates a context (`python` or `bash`) and returns its id. A template's spare context
+    /// is handed out when one is ready, so this costs milliseconds.
+    pub fn context_create(
+        &self,
+        language: &str,
+        cwd: Option<&str>,
+    ) -> Result<String, SandboxError> {
+        let req = protocol::ContextCreateRequest {
+            language: language.into(),
+            cwd: cwd.map(str::to_owned),
+            env: self.env.clone(),
+            id: None,
+        };
+        let mut id = None;
+        self.call(&Call::ContextCreate(req), Duration::from_secs(600), |ev| {
+            if let EventKind::Context(info) = ev {
+                id = Some(info.id);
+            }
+            Ok(())
+        })?;
+        id.ok_or_else(|| SandboxError::Vmm {
+            id: self.id.clone(),
+            message: "context_create answered without a context".into(),
+        })
+    }
+
+    /// The contexts of the sandbox.
+    pub fn context_list(&self) -> Result<Vec<protocol::ContextInfo>, SandboxError> {
+        let mut out = Vec::new();
+        self.call(&Call::ContextList, Duration::from_secs(60), |ev| {
+            if let EventKind::Contexts { contexts } = ev {
+                out = contexts;
+            }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Restarts a context (fresh process, same id; its state is lost).
+    pub fn context_restart(&self, context: &str) -> Result<(), SandboxError> {
+        let req = protocol::ContextRef {
+            context: context.into(),
+        };
+        self.call(&Call::ContextRestart(req), Duration::from_secs(600), |_| {
+            Ok(())
+        })
+        .map(drop)
+    }
+
+    /// Removes a context (its process is killed).
+    pub fn context_remove(&self, context: &str) -> Result<(), SandboxError> {
+        let req = protocol::ContextRef {
+            context: context.into(),
+        };
+        self.call(&Call::ContextRemove(req), Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .map(drop)
+    }
+
+    /// Interrupts the code running in `context` (a `run_code` on another thread then ends with
+    /// `interrupted`).
+    pub fn interrupt(&self, context: &str) -> Result<(), SandboxError> {
+        let req = protocol::ContextRef {
+            context: context.into(),
+        };
+        self.call(&Call::Interrupt(req), Duration::from_secs(60), |_| Ok(()))
+            .map(drop)
+    }
+
+    /// Runs a program (see `exec` in `agent/PROTOCOL.md`): `started`, output, `exit`, `end`
+    /// events go to `on_event`. A foreground program is killed if the call is abandoned.
+    pub fn exec(
+        &self,
+        req: &protocol::ExecRequest,
+        mut on_event: impl FnMut(&EventKind),
+    ) -> Result<EndStatus, SandboxError> {
+        let timeout = req
+            .timeout_ms
+            .map(|ms| Duration::from_millis(ms) + Duration::from_secs(30))
+            .unwrap_or(Duration::from_secs(24 * 3600));
+        self.call(&Call::Exec(req.clone()), timeout, |ev| {
+            on_event(&ev);
+            Ok(())
+        })
+    }
+
+    /// Starts a background program; returns its pid in the guest.
+    pub fn exec_background(&self, req: &protocol::ExecRequest) -> Result<i32, SandboxError> {
+        let mut req = req.clone();
+        req.background = true;
+        self.with_client("exec", |c| c.exec_start(&req))
+    }
+
+    /// Feeds bytes to a program started with `stdin_stream`.
+    pub fn stdin_write(&self, pid: i32, data: &[u8]) -> Result<(), SandboxError> {
+        self.with_client("stdin_write", |c| c.stdin_write(pid, data))
+    }
+
+    /// Closes a program's stdin.
+    pub fn stdin_close(&self, pid: i32) -> Result<(), SandboxError> {
+        self.with_client("stdin_close", |c| c.stdin_close(pid))
+    }
+
+    /// The programs the agent started that are running or not yet collected.
+    pub fn process_list(&self) -> Result<Vec<protocol::ProcessInfo>, SandboxError> {
+        self.with_client("process_list", |c| c.process_list())
+    }
+
+    /// Streams a background program's output (what it wrote so far, then live) until it
+    /// exits.
+    pub fn process_attach(
+        &self,
+        pid: i32,
+        mut on_event: impl FnMut(&EventKind),
+    ) -> Result<EndStatus, SandboxError> {
+        let call = Call::ProcessAttach(protocol::PidRequest { pid });
+        self.call(&call, Duration::from_secs(24 * 3600), |ev| {
+            on_event(&ev);
+            Ok(())
+        })
+    }
+
+    /// Sends `signal` to a program's process group.
+    pub fn process_signal(&self, pid: i32, signal: i32) -> Result<(), SandboxError> {
+        self.with_client("process_signal", |c| c.process_signal(pid, signal))
+    }
+
+    /// Resizes a program's pseudo-terminal.
+    pub fn process_resize(&self, pid: i32, cols: u16, rows: u16) -> Result<(), SandboxError> {
+        self.with_client("process_resize", |c| c.process_resize(pid, cols, rows))
+    }
+
+    /// Streams `data` into the guest file `path` (created or replaced atomically when
+    /// complete; parent directories created). Returns the bytes written.
+    pub fn write_file(&self, path: &str, data: &mut impl Read) -> Result<u64, SandboxError> {
+        self.with_client("file_write", |c| {
+            c.file_write(path, FileWriteOptions::default(), data, FILE_TIMEOUT)
+        })
+    }
+
+    /// Streams the guest file `path` into `out`; returns the bytes read.
+    pub fn read_file(&self, path: &str, out: &mut impl Write) -> Result<u64, SandboxError> {
+        let mut counted = Counted(out, 0);
+        self.with_client("file_read", |c| {
+            c.file_read(path, None, None, FILE_TIMEOUT, &mut counted)
+        })?;
+        Ok(counted.1)
+    }
+
+    /// Uploads the host file `local` to the guest path `guest`.
+    pub fn upload(&self, local: &Path, guest: &str) -> Result<u64, SandboxError> {
+        let mut f = std::fs::File::open(local).map_err(io_err("cannot open", local))?;
+        self.write_file(guest, &mut f)
+    }
+
+    /// Downloads the guest file `guest` to the host path `local` (written to a temporary
+    /// file beside it and renamed into place when complete).
+    pub fn download(&self, guest: &str, local: &Path) -> Result<u64, SandboxError> {
+        let dir = match local.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let mut tmp = tempfile::NamedTempFile::new_in(&dir)
+            .map_err(io_err("cannot create a file in", &dir))?;
+        let n = self.read_file(guest, tmp.as_file_mut())?;
+        tmp.persist(local).map_err(|e| SandboxError::Io {
+            what: "cannot write",
+            path: local.to_path_buf(),
+            source: e.error,
+        })?;
+        Ok(n)
+    }
+
+    /// Lists a guest directory, `depth` levels down.
+    pub fn list(&self, path: &str, depth: u32) -> Result<Vec<protocol::DirEntry>, SandboxError> {
+        self.with_client("file_list", |c| c.file_list(path, Some(depth)))
+    }
+
+    /// Metadata of a guest path.
+    pub fn stat(&self, path: &str) -> Result<protocol::FileStat, SandboxError> {
+        self.with_client("file_stat", |c| c.file_stat(path))
+    }
+
+    /// `mkdir -p` in the guest.
+    pub fn mkdir(&self, path: &str) -> Result<(), SandboxError> {
+        self.with_client("file_mkdir", |c| c.file_mkdir(path))
+    }
+
+    /// Removes a guest path (`recursive` for directories with content).
+    pub fn remove(&self, path: &str, recursive: bool) -> Result<(), SandboxError> {
+        self.with_client("file_remove", |c| c.file_remove(path, recursive))
+    }
+
+    /// Renames a guest path.
+    pub fn rename(&self, from: &str, to: &str) -> Result<(), SandboxError> {
+        self.with_client("file_rename", |c| c.file_rename(from, to))
+    }
+
+    /// Watches a guest directory; `on_event(path, op)` returns false to stop.
+    pub fn watch(
+        &self,
+        path: &str,
+        recursive: bool,
+        timeout: Duration,
+        on_event: impl FnMut(&str, protocol::FsOp) -> bool,
+    ) -> Result<(), SandboxError> {
+        self.with_client("file_watch", |c| {
+            c.file_watch(path, recursive, timeout, on_event)
+        })
+    }
+
+    /// The sandbox's id (random, 16 hex digits).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The directory holding its files.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The template it was created from, if any.
+    pub fn template(&self) -> Option<&str> {
+        self.template.as_deref()
+    }
+
+    /// Environment the template sets for code.
+    pub fn template_env(&self) -> &BTreeMap<String, String> {
+        &self.env
+    }
+
+    /// How long the create took.
+    pub fn timings(&self) -> CreateTimings {
+        self.timings
+    }
+
+    /// The VMM's pid, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.lock().ok()?.as_ref().map(Child::id)
+    }
+
+    /// The VMM's control socket.
+    pub fn api_socket(&self) -> &Path {
+        &self.api
+    }
+
+    /// Takes a full snapshot (memory and disk) of the running sandbox into `dir` (which must
+    /// not exist); the sandbox keeps running. [`Sandbox::restore`] continues from it.
+    pub fn snapshot(&self, dir: &Path) -> Result<(), SandboxError> {
+        // Connections do not survive a restore; the pool is only good for this VM, which
+        // keeps running, so it stays.
+        let reply = ember_vmm::api::call(
+            &self.api,
+            &ember_vmm::api::Request::Snapshot {
+                dir: dir.to_path_buf(),
+                kind: ember_vmm::api::SnapshotKind::Full,
+                after: ember_vmm::api::AfterSnapshot::Continue,
+            },
+        )
+        .map_err(|message| SandboxError::Vmm {
+            id: self.id.clone(),
+            message,
+        })?;
+        if reply["ok"] == true {
+            Ok(())
+        } else {
+            Err(SandboxError::Vmm {
+                id: self.id.clone(),
+                message: format!("snapshot refused: {reply}"),
+            })
+        }
+    }
+
+    /// Stops the VM (its process is killed, its files removed).
+    pub fn kill(&self) -> Result<(), SandboxError> {
+        self.pool
+            .lock()
+            .map_err(|_| SandboxError::Gone(self.id.clone()))?
+            .clear();
+        let child = self
+            .child
+            .lock()
+            .map_err(|_| SandboxError::Gone(self.id.clone()))?
+            .take();
+        if let Some(mut c) = child {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if self.dir.exists() {
+            std::fs::remove_dir_all(&self.dir).map_err(io_err("cannot remove", &self.dir))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        let _ = self.kill();
+    }
+}
+
+/// Everything one `run_code` produced, collected.
+#[derive(Debug, Clone, Default)]
+pub struct Execution {
+    /// stdout, as received.
+    pub stdout: Vec<u8>,
+    /// stderr, as received.
+    pub stderr: Vec<u8>,
+    /// The value of the last expression (MIME bundle), if any.
+    pub result: Option<serde_json::Map<String, serde_json::Value>>,
+    /// `display` bundles, in order.
+    pub displays: Vec<serde_json::Map<String, serde_json::Value>>,
+    /// The exception the code raised, if any.
+    pub exception: Option<protocol::Exception>,
+    /// Whether output was cut at the cap.
+    pub truncated: bool,
+    /// How it ended.
+    pub end: Option<RunEnd>,
+}
+
+impl Execution {
+    /// Adds one event.
+    pub fn push(&mut self, ev: &EventKind) {
+        match ev {
+            EventKind::Stdout { data } => self.stdout.extend_from_slice(data),
+            EventKind::Stderr { data } => self.stderr.extend_from_slice(data),
+            EventKind::Result(r) => self.result = Some(r.data.clone()),
+            EventKind::Display(d) => self.displays.push(d.data.clone()),
+            EventKind::Exception(x) => self.exception = Some(x.clone()),
+            EventKind::Truncated { .. } => self.truncated = true,
+            _ => {}
+        }
+    }
+
+    /// stdout as text.
+    pub fn stdout_text(&self) -> String {
+        String::from_utf8_lossy(&self.stdout).into_owned()
+    }
+
+    /// The result's `text/plain`, if any.
+    pub fn text(&self) -> Option<&str> {
+        self.result.as_ref()?.get("text/plain")?.as_str()
+    }
+
+    /// Every bundle (result and displays) that has `mime`.
+    pub fn all_with(&self, mime: &str) -> Vec<&serde_json::Value> {
+        self.result
+            .iter()
+            .chain(self.displays.iter())
+            .filter_map(|b| b.get(mime))
+            .collect()
+    }
+}

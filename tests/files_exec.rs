@@ -1,0 +1,248 @@
+//! Files and processes end to end, in real VMs restored from the `default` template.
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use ember_agent::protocol::{EndStatus, EventKind, ExecRequest, ExitStatus};
+use ember_tests::sandbox;
+use sha2::{Digest, Sha256};
+
+/// Deterministic bytes (xorshift), produced as they are read: nothing holds the whole file.
+struct Pattern {
+    state: u64,
+    left: u64,
+    hash: Sha256,
+}
+
+impl Read for Pattern {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = (buf.len() as u64).min(self.left) as usize;
+        for chunk in buf[..n].chunks_mut(8) {
+            self.state ^= self.state << 13;
+            self.state ^= self.state >> 7;
+            self.state ^= self.state << 17;
+            let bytes = self.state.to_le_bytes();
+            chunk.copy_from_slice(&bytes[..chunk.len()]);
+        }
+        self.hash.update(&buf[..n]);
+        self.left -= n as u64;
+        Ok(n)
+    }
+}
+
+/// Hashes what is written, keeps nothing.
+struct HashSink(Sha256, u64);
+
+impl Write for HashSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        self.1 += buf.len() as u64;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn hex(d: &[u8]) -> String {
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `VmHWM` (peak RSS) of this process, KiB.
+fn own_hwm_kib() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+fn sh(sb: &ember_sandbox::Sandbox, script: &str) -> (String, ExitStatus) {
+    let mut out = Vec::new();
+    let mut exit = None;
+    let req = ExecRequest::new(["/bin/sh", "-c", script]);
+    let end = sb
+        .exec(&req, |ev| match ev {
+            EventKind::Stdout { data } | EventKind::Stderr { data } => out.extend_from_slice(data),
+            EventKind::Exit(st) => exit = Some(*st),
+            _ => {}
+        })
+        .unwrap_or_else(|e| panic!("exec {script:?}: {e}"));
+    assert_eq!(end, EndStatus::Ok);
+    (
+        String::from_utf8_lossy(&out).into_owned(),
+        exit.expect("exit event"),
+    )
+}
+
+/// A guest process's peak RSS in KiB.
+fn guest_hwm_kib(sb: &ember_sandbox::Sandbox, pid: u32) -> u64 {
+    let (out, _) = sh(sb, &format!("grep VmHWM /proc/{pid}/status"));
+    out.split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{out:?}"))
+}
+
+#[test]
+fn a_256_mib_file_goes_up_and_down_intact_with_bounded_memory() {
+    const SIZE: u64 = 256 << 20;
+    let sb = sandbox("default");
+    let host_before = own_hwm_kib();
+    let mut src = Pattern {
+        state: 0x9e37_79b9_7f4a_7c15,
+        left: SIZE,
+        hash: Sha256::new(),
+    };
+    let t = Instant::now();
+    let written = sb
+        .write_file("/workspace/big.bin", &mut src)
+        .expect("upload");
+    let up = t.elapsed();
+    assert_eq!(written, SIZE);
+    let want = hex(&src.hash.finalize());
+    let (out, _) = sh(
+        &sb,
+        "stat -c %s /workspace/big.bin; sha256sum /workspace/big.bin",
+    );
+    assert!(out.starts_with(&format!("{SIZE}\n")), "{out}");
+    assert!(out.contains(&want), "guest sha256 differs: {out} vs {want}");
+
+    let t = Instant::now();
+    let mut sink = HashSink(Sha256::new(), 0);
+    let read = sb
+        .read_file("/workspace/big.bin", &mut sink)
+        .expect("download");
+    let down = t.elapsed();
+    assert_eq!(read, SIZE);
+    assert_eq!(sink.1, SIZE);
+    assert_eq!(hex(&sink.0.finalize()), want, "downloaded bytes differ");
+    eprintln!(
+        "256 MiB: up {:.1}s ({:.2} MiB/s), down {:.1}s ({:.2} MiB/s)",
+        up.as_secs_f64(),
+        256.0 / up.as_secs_f64(),
+        down.as_secs_f64(),
+        256.0 / down.as_secs_f64()
+    );
+    // The agent (PID 1) never held the file: its peak RSS stays far below its size.
+    let agent_peak = guest_hwm_kib(&sb, 1);
+    assert!(
+        agent_peak < 48 * 1024,
+        "agent peak RSS {agent_peak} KiB while streaming 256 MiB"
+    );
+    // Nor did this process (the client streams in bounded frames).
+    let host_growth = own_hwm_kib().saturating_sub(host_before);
+    assert!(
+        host_growth < 96 * 1024,
+        "host peak RSS grew by {host_growth} KiB"
+    );
+}
+
+#[test]
+fn file_operations_and_their_errors() {
+    let sb = sandbox("default");
+    sb.mkdir("/workspace/a/b/c").expect("mkdir -p");
+    let n = sb
+        .write_file("/workspace/a/b/c/hello.txt", &mut &b"hello\n"[..])
+        .expect("write");
+    assert_eq!(n, 6);
+    // Relative paths are under /workspace.
+    let st = sb.stat("a/b/c/hello.txt").expect("stat");
+    assert_eq!(st.size, 6);
+    let entries = sb.list("/workspace/a", 3).expect("list");
+    let names: Vec<&str> = entries.iter().map(|e| e.path.as_str()).collect();
+    assert!(names.contains(&"/workspace/a/b/c/hello.txt"), "{names:?}");
+    sb.rename("/workspace/a/b/c/hello.txt", "/workspace/a/hi.txt")
+        .expect("rename");
+    let mut got = Vec::new();
+    sb.read_file("/workspace/a/hi.txt", &mut got).expect("read");
+    assert_eq!(got, b"hello\n");
+    // Errors name the problem, and the sandbox goes on.
+    let e = sb
+        .read_file("/workspace/nope", &mut Vec::new())
+        .expect_err("missing file");
+    assert!(
+        e.to_string().contains("not_found") || e.to_string().contains("No such"),
+        "{e}"
+    );
+    let e = sb
+        .write_file("/workspace/a/hi.txt/x", &mut &b"x"[..])
+        .expect_err("file as dir");
+    assert!(!e.to_string().is_empty());
+    sb.remove("/workspace/a", true).expect("remove -r");
+    assert!(sb.stat("/workspace/a").is_err(), "removed");
+    let (out, st) = sh(&sb, "echo still-here");
+    assert_eq!((out.as_str(), st), ("still-here\n", ExitStatus::Code(0)));
+}
+
+#[test]
+fn exec_exit_codes_signals_stdin_and_background_processes() {
+    let sb = sandbox("default");
+    assert_eq!(sh(&sb, "exit 7").1, ExitStatus::Code(7));
+    assert_eq!(sh(&sb, "kill -TERM $$").1, ExitStatus::Signal(15));
+
+    // stdin streamed from another connection while the program runs.
+    let started = std::sync::Mutex::new(None);
+    let output = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        let runner = s.spawn(|| {
+            let mut req = ExecRequest::new(["/bin/cat"]);
+            req.stdin_stream = true;
+            sb.exec(&req, |ev| match ev {
+                EventKind::Started { pid } => *started.lock().unwrap() = Some(*pid),
+                EventKind::Stdout { data } => output.lock().unwrap().extend_from_slice(data),
+                _ => {}
+            })
+        });
+        let t = Instant::now();
+        let pid = loop {
+            if let Some(p) = *started.lock().unwrap() {
+                break p;
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "no started event");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        sb.stdin_write(pid, b"first line\n").expect("stdin_write");
+        sb.stdin_write(pid, b"second line\n").expect("stdin_write");
+        sb.stdin_close(pid).expect("stdin_close");
+        let end = runner.join().unwrap().expect("exec");
+        assert_eq!(end, EndStatus::Ok);
+    });
+    assert_eq!(
+        output.lock().unwrap().as_slice(),
+        b"first line\nsecond line\n"
+    );
+
+    // A background process: its output before the attach is kept and delivered.
+    let mut req = ExecRequest::new(["/bin/sh", "-c", "echo early; read x; echo got-$x"]);
+    req.background = true;
+    req.stdin_stream = true;
+    let pid = sb.exec_background(&req).expect("background start");
+    let listed = sb.process_list().expect("process_list");
+    assert!(listed.iter().any(|p| p.pid == pid), "{listed:?}");
+    sb.stdin_write(pid, b"value\n").expect("stdin_write");
+    let mut out = Vec::new();
+    let mut exit = None;
+    sb.process_attach(pid, |ev| match ev {
+        EventKind::Stdout { data } => out.extend_from_slice(data),
+        EventKind::Exit(st) => exit = Some(*st),
+        _ => {}
+    })
+    .expect("attach");
+    assert_eq!(String::from_utf8_lossy(&out), "early\ngot-value\n");
+    assert_eq!(exit, Some(ExitStatus::Code(0)));
+
+    // process_signal stops a sleeping background process.
+    let mut req = ExecRequest::new(["/bin/sleep", "600"]);
+    req.background = true;
+    let pid = sb.exec_background(&req).expect("background sleep");
+    sb.process_signal(pid, 9).expect("signal");
+    let mut exit = None;
+    sb.process_attach(pid, |ev| {
+        if let EventKind::Exit(st) = ev {
+            exit = Some(*st)
+        }
+    })
+    .expect("attach");
+    assert_eq!(exit, Some(ExitStatus::Signal(9)));
+}
