@@ -336,6 +336,23 @@ def serve(shell, channel, zygote=False):
             channel.send({"ev": "error", "message": "unknown op %r" % (op,)})
 
 
+def warm_tracebacks(shell):
+    """Formats one traceback in the zygote, so that contexts forked from it find IPython's
+    traceback machinery loaded on their first error (a timeout's KeyboardInterrupt included)
+    instead of paying for it then."""
+    try:
+        shell.run_cell(
+            "def __ember_warm():\n    raise ValueError('warm-up')\n__ember_warm()",
+            store_history=False,
+        )
+    except BaseException:  # noqa: B036 - nothing of this may escape into the zygote's loop
+        pass
+    finally:
+        shell.user_ns.pop("__ember_warm", None)
+        STATE.pending = []
+        STATE.exception = None
+
+
 def fork_context(shell, zygote_channel, msg, fds):
     if len(fds) != 3:
         for fd in fds:
@@ -344,6 +361,7 @@ def fork_context(shell, zygote_channel, msg, fds):
     ctl_fd, out_fd, err_fd = fds
     flush_stdio()
     if not STATE.frozen:
+        warm_tracebacks(shell)
         # Everything the warm-up built moves to the GC's permanent generation: contexts forked
         # from here never walk (and so never touch or copy) those pages in a collection. In a
         # restored clone each first touch of a page is expensive, and a full collection over

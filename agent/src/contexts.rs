@@ -42,8 +42,10 @@ use crate::protocol::{
 use crate::reaper::Children;
 use proc::{poll, wait_ready, BashFiles, DriverEvent, Proc};
 
-/// How long a context gets to come back after SIGINT before it is killed.
-pub const KILL_AFTER: Duration = Duration::from_secs(2);
+/// How long a context gets to come back after SIGINT before it is killed. Generous: the
+/// first traceback a restored python context formats loads and reads what it quotes, which
+/// takes seconds where guest syscalls and first page touches are slow (kvm_pvm).
+pub const KILL_AFTER: Duration = Duration::from_secs(10);
 
 /// Id of the python context used when `run_code` names none.
 pub const DEFAULT_PYTHON: &str = "default";

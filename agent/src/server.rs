@@ -125,7 +125,8 @@ impl<S: Read + Write + AsFd> Wire for Conn<'_, S> {
         &mut self,
         reader: &'r mut FrameReader,
     ) -> Result<Option<Frame<'r>>, FrameError> {
-        reader.read_any(&mut *self.stream)
+        let fd = self.stream.as_fd().as_raw_fd();
+        reader.read_any_socket(&mut *self.stream, fd)
     }
 }
 

@@ -17,6 +17,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+pub use ember_agent::client::RunEnd;
 use ember_agent::client::{Client, ClientError, FileWriteOptions};
 use ember_agent::protocol::{self, Call, EndStatus, EventKind};
 
@@ -142,17 +143,6 @@ impl<W: Write> Write for Counted<'_, W> {
     fn flush(&mut self) -> std::io::Result<()> {
         self.0.flush()
     }
-}
-
-/// How a `run_code` ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RunEnd {
-    /// The agent's end status.
-    pub status: EndStatus,
-    /// IPython's execution count after the cell (python contexts).
-    pub execution_count: Option<u64>,
-    /// Time the agent measured, in milliseconds.
-    pub duration_ms: Option<u64>,
 }
 
 fn io_err(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> SandboxError {
@@ -368,26 +358,12 @@ impl Sandbox {
             .timeout_ms
             .map(|ms| Duration::from_millis(ms) + Duration::from_secs(30))
             .unwrap_or(Duration::from_secs(24 * 3600));
-        let mut end = RunEnd {
-            status: EndStatus::Unknown,
-            execution_count: None,
-            duration_ms: None,
-        };
-        let status = self.call(&Call::RunCode(req.clone()), timeout, |ev| {
-            if let EventKind::End {
-                execution_count,
-                duration_ms,
-                ..
-            } = &ev
-            {
-                end.execution_count = *execution_count;
-                end.duration_ms = *duration_ms;
-            }
-            on_event(&ev);
-            Ok(())
-        })?;
-        end.status = status;
-        Ok(end)
+        self.with_client("run_code", |c| {
+            c.run_code(req, timeout, |ev| {
+                on_event(&ev);
+                Ok(())
+            })
+        })
     }
 
     /// Runs `code` in the default context and collects everything it produced.

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use ember_agent::client::Client;
-use ember_agent::protocol::{EndStatus, EventKind, RunCodeRequest};
+use ember_agent::protocol::{EndStatus, EventKind, ExecRequest, RunCodeRequest};
 use ember_benches::stats::{summarize, Summary};
 use ember_sandbox::template::{Template, AGENT_PORT};
 use ember_sandbox::{Sandbox, SandboxOptions};
@@ -107,6 +107,68 @@ fn faults(sb: &Sandbox, pid: i64) -> Result<u64, String> {
     let min: u64 = f.get(7).and_then(|v| v.parse().ok()).ok_or("bad stat")?;
     let maj: u64 = f.get(9).and_then(|v| v.parse().ok()).ok_or("bad stat")?;
     Ok(min + maj)
+}
+
+/// Guest processes are traced with `strace -c` (in the template when it ships strace).
+const STRACE: &str = "/usr/bin/strace";
+
+/// Syscalls `pid` makes while `k` trivial `run_code`s run, counted by `strace -f -c` in the
+/// guest (all its threads). The tracer's own start and stop cost the traced process a few
+/// calls; callers subtract a run with `k = 0`.
+fn traced_syscalls(sb: &Sandbox, pid: i64, k: u64, req: &RunCodeRequest) -> Result<u64, String> {
+    let out = format!("/tmp/ember-strace-{pid}-{k}.txt");
+    let argv = [
+        STRACE.to_string(),
+        "-f".into(),
+        "-c".into(),
+        "-qq".into(),
+        "-o".into(),
+        out.clone(),
+        "-p".into(),
+        pid.to_string(),
+    ];
+    let tracer = sb
+        .exec_background(&ExecRequest::new(argv))
+        .map_err(|e| e.to_string())?;
+    // Wait until the tracer is attached (TracerPid in the traced process's status).
+    let t0 = Instant::now();
+    loop {
+        let mut buf = Vec::new();
+        sb.read_file(&format!("/proc/{pid}/status"), &mut buf)
+            .map_err(|e| e.to_string())?;
+        let text = String::from_utf8_lossy(&buf);
+        let traced = text
+            .lines()
+            .find_map(|l| l.strip_prefix("TracerPid:"))
+            .is_some_and(|v| v.trim() != "0");
+        if traced {
+            break;
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            return Err(format!("strace did not attach to {pid} within 60 s"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for _ in 0..k {
+        sb.run_code(req, |_: &EventKind| {})
+            .map_err(|e| e.to_string())?;
+    }
+    sb.process_signal(tracer, libc::SIGINT)
+        .map_err(|e| e.to_string())?;
+    sb.process_attach(tracer, |_| {})
+        .map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    sb.read_file(&out, &mut buf).map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&buf);
+    // The summary's last line: "100.00 <secs> <usecs/call> <calls> [errors] total".
+    text.lines()
+        .rev()
+        .find(|l| l.trim_end().ends_with("total"))
+        .and_then(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.get(3).and_then(|v| v.parse().ok())
+        })
+        .ok_or_else(|| format!("no strace summary in {out}: {text}"))
 }
 
 struct Row {
@@ -207,6 +269,22 @@ pub fn main(a: BenchSandboxArgs) -> ExitCode {
             Ok(v) => v,
             Err(e) => return fail(format!("page-fault count: {e}")),
         };
+        // Guest syscalls per trivial run_code, agent and driver, when the template has strace.
+        let syscalls = match sb.stat(STRACE) {
+            Ok(_) => {
+                const KS: u64 = 10;
+                let count = |pid: i64| -> Result<f64, String> {
+                    let base = traced_syscalls(&sb, pid, 0, &req)?;
+                    let with = traced_syscalls(&sb, pid, KS, &req)?;
+                    Ok(with.saturating_sub(base) as f64 / KS as f64)
+                };
+                match (count(1), count(driver_pid)) {
+                    (Ok(a), Ok(d)) => Some((a, d)),
+                    (Err(e), _) | (_, Err(e)) => return fail(format!("syscall count: {e}")),
+                }
+            }
+            Err(_) => None,
+        };
         let _ = sb.kill();
         for (measure, samples) in [
             ("bare restore → ping", &ping),
@@ -225,6 +303,7 @@ pub fn main(a: BenchSandboxArgs) -> ExitCode {
         extra.push(serde_json::json!({
             "template": name,
             "guest_page_faults_per_run_code": {"agent": per_call.0, "driver": per_call.1},
+            "guest_syscalls_per_run_code": syscalls.map(|(a, d)| serde_json::json!({"agent": a, "driver": d})),
         }));
     }
     for r in &rows {
@@ -255,6 +334,16 @@ pub fn main(a: BenchSandboxArgs) -> ExitCode {
             println!(
                 "{:<14} {:<34} {:>4} {:>10.2} {:>10.2} {:>10}",
                 r.template, r.measure, r.summary.n, r.summary.median_ms, r.summary.p95_ms, ratio
+            );
+        }
+    }
+    if !a.json {
+        for e in &extra {
+            println!(
+                "{}: per trivial run_code in the guest: page faults {} ; syscalls {}",
+                e["template"].as_str().unwrap_or("?"),
+                e["guest_page_faults_per_run_code"],
+                e["guest_syscalls_per_run_code"]
             );
         }
     }
