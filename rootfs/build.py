@@ -844,7 +844,10 @@ def chroot_check(tree: Path, argv: list[str], expect: str | None) -> None:
 def build_agent() -> Path:
     """Builds ember-agent statically (the explicit --target keeps RUSTFLAGS off host build scripts)."""
     cargo = shutil.which("cargo") or str(Path.home() / ".cargo/bin/cargo")
-    env = dict(os.environ, RUSTFLAGS=AGENT_RUSTFLAGS)
+    # The checkout's path is remapped so that the agent's bytes (and so the image and template
+    # keys) do not depend on where the repository was cloned: CI's fresh clone then finds the
+    # images and templates a developer (or an earlier run) built from the same sources.
+    env = dict(os.environ, RUSTFLAGS=f"{AGENT_RUSTFLAGS} --remap-path-prefix={REPO_ROOT}=/ember")
     env.pop("CARGO_ENCODED_RUSTFLAGS", None)
     cmd = ["nice", cargo, "build", "--release", "-p", "ember-agent", "--bin", "ember-agent",
            "--target", AGENT_TARGET, "--message-format=json-render-diagnostics"]

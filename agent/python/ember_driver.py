@@ -17,10 +17,11 @@ Messages, agent -> driver:
   {"op": "setup", "cwd": str?, "env": {k: v}?}            (context mode; answered with ready)
   {"op": "fork", "cwd": str?, "env": {k: v}?} + 3 fds      (zygote only; no answer: the new
                                                             context says ready on its socket)
+  {"op": "ack"}                                            (a display was relayed)
 Driver -> agent:
   {"ev": "ready", "pid": int, "cwd": str}
   {"ev": "result", "data": {mime: value}, "metadata": {...}, "execution_count": int}
-  {"ev": "display", "data": {mime: value}, "metadata": {...}}
+  {"ev": "display", "data": {mime: value}, "metadata": {...}}   (then waits for the ack)
   {"ev": "exception", "name": str, "value": str, "traceback": [str]}
   {"ev": "end", "status": "ok" | "error" | "interrupted", "execution_count": int}
   {"ev": "error", "message": str}                          (a setup request failed)
@@ -95,6 +96,13 @@ class Channel:
                     os.close(fd)
                 return None, []
             self.buf += data
+
+    def wait_ack(self):
+        """Blocks until the agent acknowledges the last display (a SIGINT still interrupts)."""
+        while True:
+            msg, _ = self.recv()
+            if msg is None or msg.get("op") == "ack":
+                return
 
     def send(self, *messages):
         """Sends messages in one write, after flushing the output streams."""
@@ -190,6 +198,10 @@ def build_shell():
             if STATE.channel is not None:
                 pending, STATE.pending = STATE.pending, []
                 STATE.channel.send(*pending)
+                if STATE.running:
+                    # Wait for the agent's ack: it relays the display after the output written
+                    # before it and before any written after it (two syscalls per display).
+                    STATE.channel.wait_ack()
 
         def clear_output(self, wait=False):
             pass

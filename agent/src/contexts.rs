@@ -1262,8 +1262,23 @@ impl Contexts {
                     Lang::Python => match proc.read_driver() {
                         Ok(Some(events)) => {
                             for event in events {
+                                // A display waits in the driver for an ack: output before it
+                                // is in the pipes (drained first), none after it exists yet,
+                                // so the two keep their order both ways.
+                                let display = matches!(event, DriverEvent::Display { .. });
+                                if display {
+                                    for i in 0..2 {
+                                        proc.drain_pipe(i, &mut buf, |data| {
+                                            run.output(i == 0, data)
+                                        });
+                                    }
+                                }
                                 if let Some(o) = self.relay(run, event) {
                                     outcome = Some(o);
+                                }
+                                if display {
+                                    // A driver that died meanwhile is seen at its EOF.
+                                    let _ = proc.send_json(&json!({"op": "ack"}));
                                 }
                             }
                         }

@@ -1091,6 +1091,9 @@ pub struct FrameReader {
     max_binary: u32,
     /// Whether the frame last returned was binary (its buffer is kept for the next one).
     last_binary: bool,
+    /// Most bytes one `recv(MSG_WAITALL)` waits for in [`FrameReader::read_any_socket`]
+    /// (halved when the socket refuses: a vsock receive buffer smaller than the wait).
+    waitall_max: usize,
 }
 
 impl FrameReader {
@@ -1104,6 +1107,7 @@ impl FrameReader {
             max,
             max_binary: max,
             last_binary: false,
+            waitall_max: MAX_BINARY_CHUNK + 64,
         }
     }
 
@@ -1195,8 +1199,9 @@ impl FrameReader {
         };
         self.reserve(frame.max(self.end - self.start + 1));
         let missing = (self.start + frame).saturating_sub(self.end);
-        if let (Some(fd), true) = (socket, missing > WAITALL_MIN) {
-            let room = &mut self.buf[self.end..self.end + missing];
+        if let (Some(fd), true) = (socket, missing > WAITALL_MIN && self.waitall_max > 0) {
+            let want = missing.min(self.waitall_max);
+            let room = &mut self.buf[self.end..self.end + want];
             loop {
                 // SAFETY: `room` is a valid, writable buffer of `room.len()` bytes for the
                 // duration of the call; `fd` is the open socket `r` reads from.
@@ -1208,6 +1213,15 @@ impl FrameReader {
                     return Ok(n as usize);
                 }
                 let e = io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::ENOMEM) {
+                    // vsock refuses to wait for as much as its receive buffer holds: ask for
+                    // less from now on (down to plain reads).
+                    self.waitall_max /= 2;
+                    if self.waitall_max <= WAITALL_MIN {
+                        self.waitall_max = 0;
+                    }
+                    return self.fill_from(r, socket);
+                }
                 if e.kind() != io::ErrorKind::Interrupted {
                     return Err(e);
                 }

@@ -10,6 +10,34 @@ use crate::server::Listener;
 /// Connections waiting to be accepted before the kernel refuses more.
 pub const BACKLOG: libc::c_int = 128;
 
+/// Receive buffer of each connection (inherited from the listener). The kernel's default is
+/// 256 KiB; a larger one gives the host credit for whole 1 MiB binary frames (file uploads),
+/// which the server then takes in one `recv(MSG_WAITALL)` (a vsock `recv` refuses to wait for
+/// as much as its buffer holds). Memory is only used while data waits in it.
+pub const BUFFER_SIZE: u64 = 2 << 20;
+
+// `<linux/vm_sockets.h>` socket options (level AF_VSOCK).
+const SO_VM_SOCKETS_BUFFER_SIZE: libc::c_int = 0;
+const SO_VM_SOCKETS_BUFFER_MAX_SIZE: libc::c_int = 2;
+
+fn set_vsock_u64(fd: BorrowedFd<'_>, option: libc::c_int, value: u64) -> io::Result<()> {
+    // SAFETY: `value` is a valid u64 that outlives the call, and its size is passed.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::AF_VSOCK,
+            option,
+            std::ptr::from_ref(&value).cast(),
+            std::mem::size_of::<u64>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// A listening vsock stream socket on `VMADDR_CID_ANY`.
 #[derive(Debug)]
 pub struct VsockListener {
@@ -48,6 +76,10 @@ impl VsockListener {
         if r != 0 {
             return Err(io::Error::last_os_error());
         }
+        // Best effort: without it connections keep the kernel's default buffer, and the
+        // server falls back to smaller waits (see `FrameReader::read_any_socket`).
+        let _ = set_vsock_u64(fd.as_fd(), SO_VM_SOCKETS_BUFFER_MAX_SIZE, BUFFER_SIZE)
+            .and_then(|()| set_vsock_u64(fd.as_fd(), SO_VM_SOCKETS_BUFFER_SIZE, BUFFER_SIZE));
         // SAFETY: listen on a socket we own; no memory effects.
         if unsafe { libc::listen(fd.as_raw_fd(), BACKLOG) } != 0 {
             return Err(io::Error::last_os_error());

@@ -497,6 +497,15 @@ impl Template {
             progress(BuildEvent::UpToDate);
             return Ok(t);
         }
+        // Under the lock no other build of this key runs: what an interrupted one left goes.
+        if let Ok(entries) = std::fs::read_dir(&root) {
+            let prefix = format!(".build-{key}-");
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().starts_with(&prefix) {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
         let work = root.join(format!(".build-{key}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&work);
         std::fs::create_dir_all(&work).map_err(io_err("cannot create", &work))?;

@@ -79,7 +79,9 @@ fn bare_restore_ping(t: &Template, vmm: &std::path::Path) -> Result<f64, String>
     result
 }
 
-fn first_result(t: &Template, vmm: &std::path::Path) -> Result<(f64, f64), String> {
+/// One sandbox: (spawn → synced, spawn → first `1+1` result, `context_create` python,
+/// `context_create` bash), milliseconds.
+fn first_result(t: &Template, vmm: &std::path::Path) -> Result<[f64; 4], String> {
     let t0 = Instant::now();
     let opts = SandboxOptions {
         vmm: Some(vmm.to_path_buf()),
@@ -92,7 +94,13 @@ fn first_result(t: &Template, vmm: &std::path::Path) -> Result<(f64, f64), Strin
     if x.text() != Some("2") {
         return Err(format!("1+1 gave {:?}", x.text()));
     }
-    Ok((synced, total))
+    let mut ctx = [0.0; 2];
+    for (i, lang) in ["python", "bash"].into_iter().enumerate() {
+        let t1 = Instant::now();
+        sb.context_create(lang, None).map_err(|e| e.to_string())?;
+        ctx[i] = t1.elapsed().as_secs_f64() * 1e3;
+    }
+    Ok([synced, total, ctx[0], ctx[1]])
 }
 
 /// minflt + majflt of guest process `pid`, read through the file API.
@@ -191,12 +199,13 @@ pub fn main(a: BenchSandboxArgs) -> ExitCode {
             Err(e) => return fail(e),
         };
         let (mut ping, mut synced, mut first) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut ctx_py, mut ctx_bash) = (Vec::new(), Vec::new());
         for i in 0..a.warmup + a.n {
             let p = match bare_restore_ping(&t, &vmm) {
                 Ok(v) => v,
                 Err(e) => return fail(format!("{name}: bare restore: {e}")),
             };
-            let (s, f) = match first_result(&t, &vmm) {
+            let [s, f, cp, cb] = match first_result(&t, &vmm) {
                 Ok(v) => v,
                 Err(e) => return fail(format!("{name}: first run_code: {e}")),
             };
@@ -204,6 +213,8 @@ pub fn main(a: BenchSandboxArgs) -> ExitCode {
                 ping.push(p);
                 synced.push(s);
                 first.push(f);
+                ctx_py.push(cp);
+                ctx_bash.push(cb);
             }
             if !a.json {
                 eprint!("\r{name}: {}/{}   ", i + 1, a.warmup + a.n);
@@ -291,6 +302,8 @@ pub fn main(a: BenchSandboxArgs) -> ExitCode {
             ("restore → synced", &synced),
             ("restore → first run_code result", &first),
             ("run_code round trip (x = 1)", &rtt),
+            ("context_create python (spare)", &ctx_py),
+            ("context_create bash (spare)", &ctx_bash),
         ] {
             if let Some(summary) = summarize(samples) {
                 rows.push(Row {
