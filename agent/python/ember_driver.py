@@ -15,8 +15,9 @@ The agent (the guest's PID 1) starts this file in one of two modes:
 Messages, agent -> driver:
   {"op": "run", "code": str, "env": {k: v}?}
   {"op": "setup", "cwd": str?, "env": {k: v}?}            (context mode; answered with ready)
-  {"op": "fork", "cwd": str?, "env": {k: v}?} + 3 fds      (zygote only; no answer: the new
-                                                            context says ready on its socket)
+  {"op": "fork", "cwd": str?, "env": {k: v}?, "rewarm": bool} + 3 fds
+                                   (zygote only; no answer: the new context says ready on its
+                                   socket; rewarm: it reruns the warm-up code first)
   {"op": "ack"}                                            (a display was relayed)
 Driver -> agent:
   {"ev": "ready", "pid": int, "cwd": str}
@@ -148,6 +149,7 @@ class State:
         self.pending = []
         self.exception = None
         self.frozen = False
+        self.warm_code = None
 
 
 STATE = State()
@@ -332,6 +334,10 @@ def serve(shell, channel, zygote=False):
             return
         op = msg.get("op")
         if op == "run":
+            if zygote:
+                # The zygote only ever runs the template's warm-up; contexts forked at build
+                # time run it again (see warm_context).
+                STATE.warm_code = msg.get("code") or None
             run(shell, channel, msg)
         elif op == "setup":
             try:
@@ -365,17 +371,33 @@ def warm_tracebacks(shell):
         STATE.exception = None
 
 
-def warm_context(shell):
-    """Runs a cell with a result and one that raises, with nothing sent anywhere: the first
-    cells of a forked context copy (copy-on-write) the pages of everything they touch, which
-    costs a second of guest page faults on kvm_pvm; done here, it happens before the context
-    is handed out (at template build time for the contexts in the snapshot)."""
+def warm_context(shell, code=None):
+    """Runs a cell with a result, one that raises and, when given, the template's warm-up
+    code again, silently (output to /dev/null, nothing sent): the first cells of a forked
+    context copy (copy-on-write) the pages of everything they touch, which costs seconds of
+    guest page faults on kvm_pvm; done here, it happens before the context is handed out —
+    at template build time for the contexts in the snapshot."""
+    flush_stdio()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
     try:
-        shell.run_cell("0", store_history=False)
-    except BaseException:  # noqa: B036 - nothing of this may escape
-        pass
-    STATE.pending = []
-    warm_tracebacks(shell)
+        for cell in ("0", code):
+            if cell:
+                try:
+                    shell.run_cell(cell, store_history=False)
+                except BaseException:  # noqa: B036 - nothing of this may escape
+                    pass
+                STATE.pending = []
+                STATE.exception = None
+        warm_tracebacks(shell)
+    finally:
+        flush_stdio()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved + [devnull]:
+            os.close(fd)
 
 
 def fork_context(shell, zygote_channel, msg, fds):
@@ -413,7 +435,7 @@ def fork_context(shell, zygote_channel, msg, fds):
         STATE.channel = None
         setup(msg)
         shell.execution_count = 1
-        warm_context(shell)
+        warm_context(shell, STATE.warm_code if msg.get("rewarm") else None)
         channel = Channel(socket.socket(fileno=ctl_fd))
         ready(channel)
         serve(shell, channel)

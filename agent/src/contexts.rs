@@ -490,7 +490,10 @@ impl Contexts {
         let (ctl, ctl_child) = sys::socket_pair().map_err(io_err("creating a socket pair"))?;
         let (out, out_w) = sys::pipe().map_err(io_err("creating a pipe"))?;
         let (err, err_w) = sys::pipe().map_err(io_err("creating a pipe"))?;
-        let msg = json!({"op": "fork", "cwd": cwd, "env": env});
+        // Before the first `sync` (at template build time) a forked context also reruns the
+        // warm-up code, so that its copy-on-write faults are paid before the snapshot.
+        let rewarm = self.sync_gen.load(Ordering::Acquire) == 0;
+        let msg = json!({"op": "fork", "cwd": cwd, "env": env, "rewarm": rewarm});
         let mut frame = Vec::new();
         crate::protocol::encode_frame(&msg, &mut frame, crate::protocol::MAX_FRAME).map_err(
             |e| ContextError::NotReady {
