@@ -216,10 +216,26 @@ impl Sandbox {
         // From here on, a failure kills the VMM (Drop).
         sandbox.wait_socket(t0, opts.connect_timeout)?;
         sandbox.timings.vmm_ready_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let left = opts.connect_timeout.saturating_sub(t0.elapsed());
-        let mut client =
-            Client::connect_uds(&sandbox.uds, AGENT_PORT, left.max(Duration::from_secs(1)))
-                .map_err(|source| sandbox.agent_err("connect", source))?;
+        // The socket file appears at bind(); until the VMM's listen() a connect is refused.
+        let mut client = loop {
+            let left = opts.connect_timeout.saturating_sub(t0.elapsed());
+            match Client::connect_uds(&sandbox.uds, AGENT_PORT, left.max(Duration::from_secs(1))) {
+                Ok(c) => break c,
+                Err(ClientError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::ConnectionRefused
+                        && t0.elapsed() < opts.connect_timeout =>
+                {
+                    if let Some(message) = sandbox.exited()? {
+                        return Err(SandboxError::Vmm {
+                            id: sandbox.id.clone(),
+                            message,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                Err(source) => return Err(sandbox.agent_err("connect", source)),
+            }
+        };
         client
             .sync_now()
             .map_err(|source| sandbox.agent_err("sync", source))?;

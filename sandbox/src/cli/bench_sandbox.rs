@@ -69,8 +69,19 @@ fn bare_restore_ping(t: &Template, vmm: &std::path::Path) -> Result<f64, String>
             }
             std::thread::sleep(Duration::from_micros(200));
         }
-        let mut c = Client::connect_uds(&uds, AGENT_PORT, Duration::from_secs(60))
-            .map_err(|e| e.to_string())?;
+        // Refused until the VMM's listen() follows the bind() that made the file.
+        let mut c = loop {
+            match Client::connect_uds(&uds, AGENT_PORT, Duration::from_secs(60)) {
+                Ok(c) => break c,
+                Err(ember_agent::client::ClientError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::ConnectionRefused
+                        && t0.elapsed() < Duration::from_secs(60) =>
+                {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        };
         c.ping().map_err(|e| e.to_string())?;
         Ok(t0.elapsed().as_secs_f64() * 1e3)
     })();
