@@ -73,6 +73,10 @@ pub struct SandboxOptions {
     pub vmm: Option<PathBuf>,
     /// How long the restored guest may take to answer (default 60 s).
     pub connect_timeout: Duration,
+    /// Kill the VMM when the thread that created the sandbox exits (`PR_SET_PDEATHSIG`): for
+    /// one-shot tools like `ember run`, so that Ctrl-C leaves no VM behind. Off by default: a
+    /// library user's creating thread may end long before the sandbox should.
+    pub die_with_parent: bool,
 }
 
 impl Default for SandboxOptions {
@@ -81,6 +85,7 @@ impl Default for SandboxOptions {
             workdir: None,
             vmm: None,
             connect_timeout: Duration::from_secs(60),
+            die_with_parent: false,
         }
     }
 }
@@ -181,7 +186,21 @@ impl Sandbox {
         let log = dir.join("vmm.log");
         let stderr = std::fs::File::create(&log).map_err(io_err("cannot create", &log))?;
         let t0 = Instant::now();
-        let child = Command::new(&vmm)
+        let mut cmd = Command::new(&vmm);
+        if opts.die_with_parent {
+            use std::os::unix::process::CommandExt;
+            let die_with_parent = || {
+                // SAFETY: prctl(PR_SET_PDEATHSIG) takes plain integers and touches no memory.
+                if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) } != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            };
+            // SAFETY: the hook runs in the child between fork and exec and only calls prctl,
+            // which is async-signal-safe; it allocates nothing and takes no locks.
+            unsafe { cmd.pre_exec(die_with_parent) };
+        }
+        let child = cmd
             .arg("--restore")
             .arg(snapshot)
             .arg("--vsock-uds")

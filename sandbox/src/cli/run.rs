@@ -74,7 +74,11 @@ pub fn main(a: RunArgs) -> ExitCode {
         Err(e) => return fail(e),
     };
     let t0 = Instant::now();
-    let sandbox = match Sandbox::create(&template, &SandboxOptions::default()) {
+    let opts = SandboxOptions {
+        die_with_parent: true,
+        ..Default::default()
+    };
+    let sandbox = match Sandbox::create(&template, &opts) {
         Ok(s) => s,
         Err(e) => return fail(e),
     };
