@@ -422,3 +422,30 @@ pub fn decode_png(png: &[u8]) -> (u32, u32, usize) {
         buf[..info.buffer_size()].chunks(bpp.max(1)).collect();
     (info.width, info.height, distinct.len())
 }
+
+/// Runtime settings for a test: `home` as `$EMBER_HOME`, this build's VMM and jailer, and
+/// sandboxes killed when the runtime is dropped (a failing test leaves no VM behind).
+pub fn runtime_config(home: &std::path::Path) -> ember_sandbox::RuntimeConfig {
+    let mut cfg = ember_sandbox::RuntimeConfig::new(home);
+    cfg.vmm = Some(bin("ember-vmm"));
+    cfg.jailer = Some(bin("ember-jailer"));
+    cfg.kill_on_drop = true;
+    cfg
+}
+
+/// A runtime on a fresh `$EMBER_HOME` (the templates it restores are built first, once).
+pub fn runtime_for_test() -> (tempfile::TempDir, ember_sandbox::Runtime) {
+    template("default");
+    let home = tempfile::Builder::new()
+        .prefix("ember-rt-test-")
+        .tempdir_in(std::env::temp_dir())
+        .expect("temp home");
+    let rt = ember_sandbox::Runtime::open(runtime_config(home.path()))
+        .unwrap_or_else(|e| panic!("runtime: {e}"));
+    (home, rt)
+}
+
+/// The runtime on an existing home again (a restarted server).
+pub fn reopen_runtime(home: &std::path::Path) -> ember_sandbox::Runtime {
+    ember_sandbox::Runtime::open(runtime_config(home)).unwrap_or_else(|e| panic!("runtime: {e}"))
+}

@@ -7,10 +7,12 @@
 //!
 //! Every byte a guest hands a device is untrusted: register accesses of the wrong size or offset
 //! are ignored, descriptor chains are validated before use, and errors are reported per request
-//! instead of panicking.
+//! instead of panicking, and every log line a guest can cause is rate-limited per call site
+//! ([`ratelimit`]).
 
 pub mod bus;
 pub mod legacy;
+pub mod ratelimit;
 pub mod virtio;
 
 /// Guest memory as every device sees it. Each region carries a dirty bitmap (one bit per 4 KiB

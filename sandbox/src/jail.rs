@@ -2,13 +2,15 @@
 //! given, and clean-up afterwards.
 //!
 //! Layout inside the jail: `/ember-vmm` (a copy), `/vmlinux` and `/disk0`, `/disk1`, … (hard
-//! links or copies; read-only unless the disk is), `/snapshot` for restores, and `/work`
-//! (owned by the jail's uid) holding `vm.json`, `report.jsonl` and `api.sock`.
+//! links or copies for a boot; read-only bind mounts for a restore, unless the disk is
+//! writable), `/snapshot` (a read-only bind mount) and `/disk<i>.base` (overlay base images)
+//! for restores, and `/work` (owned by the jail's uid) holding `vm.json`, `report.jsonl`,
+//! `api.sock`, `vsock` and a restored clone's own overlays.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use ember_jailer::{CgroupLimits, CleanupConfig, FileSpec, JailConfig};
+use ember_jailer::{BindSpec, CgroupLimits, CleanupConfig, FileSpec, JailConfig};
 use ember_vmm::vm::{DiskMode, VmConfig};
 
 /// How to jail a VM.
@@ -57,6 +59,9 @@ pub enum JailSetupError {
         /// Why.
         source: std::io::Error,
     },
+    /// The snapshot's state could not be read.
+    #[error("snapshot {0}: {1}")]
+    Snapshot(PathBuf, String),
     /// The VMM's shared libraries could not be listed.
     #[error("cannot list the shared libraries of {0}: {1}")]
     Libraries(PathBuf, String),
@@ -170,18 +175,104 @@ pub fn boot(
     Ok(finish(cfg, args))
 }
 
-/// A jailed restore of the snapshot in `snapshot`.
+/// The host paths a snapshot's disks refer to, in order: what a jailed restore must make
+/// visible inside the jail (the snapshot holds host paths of the machine that took it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SnapshotDisk {
+    /// A copy-on-write overlay over this shared base image (the overlay itself is in the
+    /// snapshot directory; each restore gets its own copy).
+    Overlay {
+        /// The base image.
+        base: PathBuf,
+    },
+    /// A raw image used in place.
+    Raw {
+        /// The image.
+        path: PathBuf,
+        /// Whether the guest may write it.
+        writable: bool,
+    },
+}
+
+/// Reads the disks of the snapshot in `snapshot` (its state file is checked as for a
+/// restore).
+pub fn snapshot_disks(snapshot: &Path) -> Result<Vec<SnapshotDisk>, JailSetupError> {
+    let state =
+        ember_vmm::snapshot::load_state(snapshot, &ember_vmm::snapshot::RestoreOptions::default())
+            .map_err(|e| JailSetupError::Snapshot(snapshot.to_path_buf(), e.to_string()))?;
+    Ok(state
+        .config
+        .disks
+        .iter()
+        .map(|d| match &d.mode {
+            DiskMode::Overlay { base } => SnapshotDisk::Overlay { base: base.clone() },
+            mode => SnapshotDisk::Raw {
+                path: d.path.clone(),
+                writable: *mode == DiskMode::ReadWrite,
+            },
+        })
+        .collect())
+}
+
+/// A jailed restore of the snapshot in `snapshot` whose disks are `disks`
+/// ([`snapshot_disks`]). The snapshot directory is bind-mounted read-only at `/snapshot`;
+/// every path the snapshot holds is re-mapped into the jail: an overlay disk's base image is
+/// bind-mounted read-only at `/disk<i>.base` and the clone's own overlay is
+/// `/work/disk<i>.overlay` (the VMM creates it from the snapshot's copy); a raw disk is
+/// bind-mounted at `/disk<i>`; the vsock socket is `/work/vsock`.
 pub fn restore(
     opts: &JailOptions,
     id: &str,
     vmm: &Path,
     snapshot: &Path,
+    disks: &[SnapshotDisk],
     workdir: &Path,
     extra_vmm_args: &[String],
 ) -> Result<JailedLaunch, JailSetupError> {
     let mut cfg = common(opts, id, vmm, workdir)?;
-    cfg.files.push(file(snapshot, "/snapshot", false));
-    let mut args = vec!["--restore".to_string(), "/snapshot".to_string()];
+    cfg.binds.push(BindSpec {
+        src: snapshot.to_path_buf(),
+        dest: PathBuf::from("/snapshot"),
+        read_only: true,
+    });
+    let mut args = vec![
+        "--restore".to_string(),
+        "/snapshot".to_string(),
+        "--vsock-uds".to_string(),
+        "/work/vsock".to_string(),
+    ];
+    for (i, d) in disks.iter().enumerate() {
+        match d {
+            SnapshotDisk::Overlay { base } => {
+                let dest = format!("/disk{i}.base");
+                cfg.binds.push(BindSpec {
+                    src: base.clone(),
+                    dest: PathBuf::from(&dest),
+                    read_only: true,
+                });
+                args.extend([
+                    "--disk-path".to_string(),
+                    format!("/work/disk{i}.overlay"),
+                    "--disk-base".to_string(),
+                    dest,
+                ]);
+            }
+            SnapshotDisk::Raw { path, writable } => {
+                let dest = format!("/disk{i}");
+                cfg.binds.push(BindSpec {
+                    src: path.clone(),
+                    dest: PathBuf::from(&dest),
+                    read_only: !writable,
+                });
+                args.extend([
+                    "--disk-path".to_string(),
+                    dest,
+                    "--disk-base".to_string(),
+                    "-".to_string(),
+                ]);
+            }
+        }
+    }
     args.extend(extra_vmm_args.iter().cloned());
     Ok(finish(cfg, args))
 }

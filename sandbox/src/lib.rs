@@ -1,14 +1,19 @@
-//! ember's sandbox runtime: templates (a recipe built into a warm snapshot) and sandbox
-//! handles (a VM restored from one, with `run_code`, contexts, `exec` and files), plus the
-//! pieces the `ember` CLI is made of. The runtime with ids, lifecycle and the HTTP server
-//! builds on [`Sandbox`] and [`Template`].
+//! ember's sandbox runtime: templates (a recipe built into a warm snapshot), sandbox handles
+//! (a VM restored from one, with `run_code`, contexts, `exec` and files), the [`Runtime`]
+//! that owns every sandbox of a host (ids, lifecycle, jails, durable state), the HTTP server
+//! and the pieces the `ember` CLI is made of.
 
+pub mod api;
+pub mod client;
 pub mod images;
 pub mod jail;
 pub mod paths;
+pub mod runtime;
 pub mod sandbox;
+pub mod store;
 pub mod template;
 pub mod term;
 
+pub use runtime::{Runtime, RuntimeConfig, RuntimeError};
 pub use sandbox::{Execution, RunEnd, Sandbox, SandboxError, SandboxOptions};
 pub use template::{BuildEvent, BuildOptions, Template, TemplateError, TemplateInfo};

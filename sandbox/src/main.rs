@@ -39,6 +39,20 @@ enum Cmd {
     /// Benchmarks (reported, with a peer measured in the same run where available).
     #[command(subcommand)]
     Bench(BenchCmd),
+    /// Serve the sandbox API over HTTP (the runtime of this host; see docs/api.md).
+    Serve(cli::serve::ServeArgs),
+    /// Manage sandboxes on a running `ember serve` (EMBER_URL, EMBER_TOKEN).
+    Sandbox(cli::remote::SandboxArgs),
+    /// Run code in a sandbox's context, streaming its output.
+    Code(cli::remote::CodeArgs),
+    /// Run a program in a sandbox (`ember exec ID -- cmd args`); exits with its status.
+    Exec(cli::remote::ExecArgs),
+    /// Copy a file into or out of a sandbox (`./f ID:/path` or `ID:/path ./f`).
+    Cp(cli::remote::CpArgs),
+    /// List or download a sandbox's artifacts.
+    Artifacts(cli::remote::ArtifactsArgs),
+    /// Show a sandbox's audit log.
+    Logs(cli::remote::LogsArgs),
     /// Build (or locate in the cache) the default guest kernel and root filesystem.
     Images {
         /// Template whose root filesystem to build.
@@ -359,9 +373,9 @@ fn run_vm(
     std::fs::create_dir_all(&work).map_err(|e| format!("cannot create {}: {e}", work.display()))?;
     let launch = match what {
         VmStart::Boot(cfg) => ember_sandbox::jail::boot(&opts, &id, vmm, cfg, &work, &extra),
-        VmStart::Restore(snap) => {
-            ember_sandbox::jail::restore(&opts, &id, vmm, snap, &work, &extra)
-        }
+        VmStart::Restore(snap) => ember_sandbox::jail::snapshot_disks(snap).and_then(|disks| {
+            ember_sandbox::jail::restore(&opts, &id, vmm, snap, &disks, &work, &extra)
+        }),
     }
     .map_err(|e| e.to_string())?;
     if let Some(p) = api_sock {
@@ -892,6 +906,13 @@ fn main() -> ExitCode {
     match cli.cmd {
         Cmd::Run(a) => cli::run::main(a),
         Cmd::Template(c) => cli::template::main(c),
+        Cmd::Serve(a) => cli::serve::main(a),
+        Cmd::Sandbox(a) => cli::remote::sandbox_main(a),
+        Cmd::Code(a) => cli::remote::code_main(a),
+        Cmd::Exec(a) => cli::remote::exec_main(a),
+        Cmd::Cp(a) => cli::remote::cp_main(a),
+        Cmd::Artifacts(a) => cli::remote::artifacts_main(a),
+        Cmd::Logs(a) => cli::remote::logs_main(a),
         Cmd::Vm(VmCmd::Boot(a)) => vm_boot(a),
         Cmd::Vm(VmCmd::Restore(a)) => vm_restore(a),
         Cmd::Vm(VmCmd::Snapshot(a)) => vm_snapshot(a),

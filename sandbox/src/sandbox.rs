@@ -11,6 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -99,6 +100,79 @@ pub struct CreateTimings {
     pub synced_ms: f64,
 }
 
+/// How to start a sandbox's VMM ([`Sandbox::launch`]).
+#[derive(Debug)]
+pub struct LaunchSpec {
+    /// The command (stdio is set by `launch`: stderr goes to `log`).
+    pub command: Command,
+    /// The sandbox's host directory (removed on kill).
+    pub dir: PathBuf,
+    /// Host path of the VMM's vsock socket.
+    pub uds: PathBuf,
+    /// Host path of the VMM's control socket.
+    pub api: PathBuf,
+    /// Where the launcher's stderr goes (read for the reason when it exits).
+    pub log: PathBuf,
+    /// Kill the VMM when the creating thread exits (see [`SandboxOptions::die_with_parent`]).
+    pub die_with_parent: bool,
+}
+
+/// Host paths of a running VMM to take over ([`Sandbox::adopt`]).
+#[derive(Debug, Clone)]
+pub struct AdoptPaths {
+    /// The sandbox's host directory.
+    pub dir: PathBuf,
+    /// The vsock socket.
+    pub uds: PathBuf,
+    /// The control socket.
+    pub api: PathBuf,
+    /// The launcher's stderr log.
+    pub log: PathBuf,
+}
+
+/// The VMM process: our child, or one adopted by pid.
+#[derive(Debug)]
+enum Proc {
+    Child(Child),
+    Adopted { pid: i32, pidfd: OwnedFd },
+}
+
+/// Errors of a first connection that a restored guest settles by itself.
+fn transient(e: &ClientError) -> bool {
+    match e {
+        ClientError::Handshake(_) | ClientError::Closed => true,
+        ClientError::Io { source, .. } => matches!(
+            source.kind(),
+            std::io::ErrorKind::ConnectionRefused
+                | std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::BrokenPipe
+                | std::io::ErrorKind::UnexpectedEof
+        ),
+        _ => false,
+    }
+}
+
+fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a descriptor the kernel just returned to us; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+    let mut fds = [libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    }];
+    // SAFETY: `fds` is a valid array of one pollfd for the duration of the call.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) };
+    n > 0 && fds[0].revents & libc::POLLIN != 0
+}
+
 /// A running sandbox.
 #[derive(Debug)]
 pub struct Sandbox {
@@ -106,7 +180,9 @@ pub struct Sandbox {
     dir: PathBuf,
     uds: PathBuf,
     api: PathBuf,
-    child: Mutex<Option<Child>>,
+    log: PathBuf,
+    child: Mutex<Option<Proc>>,
+    pidfd: Option<OwnedFd>,
     pool: Mutex<Vec<AgentClient>>,
     template: Option<String>,
     timings: CreateTimings,
@@ -184,24 +260,8 @@ impl Sandbox {
         let api = dir.join("api.sock");
         let overlay = dir.join("root.overlay");
         let log = dir.join("vmm.log");
-        let stderr = std::fs::File::create(&log).map_err(io_err("cannot create", &log))?;
-        let t0 = Instant::now();
         let mut cmd = Command::new(&vmm);
-        if opts.die_with_parent {
-            use std::os::unix::process::CommandExt;
-            let die_with_parent = || {
-                // SAFETY: prctl(PR_SET_PDEATHSIG) takes plain integers and touches no memory.
-                if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) } != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            };
-            // SAFETY: the hook runs in the child between fork and exec and only calls prctl,
-            // which is async-signal-safe; it allocates nothing and takes no locks.
-            unsafe { cmd.pre_exec(die_with_parent) };
-        }
-        let child = cmd
-            .arg("--restore")
+        cmd.arg("--restore")
             .arg(snapshot)
             .arg("--vsock-uds")
             .arg(&uds)
@@ -212,52 +272,98 @@ impl Sandbox {
             .arg("--report")
             .arg(dir.join("report.jsonl"))
             .arg("--serial")
-            .arg(format!("file:{}", dir.join("console.log").display()))
+            .arg(format!("file:{}", dir.join("console.log").display()));
+        let spec = LaunchSpec {
+            command: cmd,
+            dir: dir.clone(),
+            uds,
+            api,
+            log,
+            die_with_parent: opts.die_with_parent,
+        };
+        Sandbox::launch(id, spec, opts.connect_timeout)
+    }
+
+    /// Starts a VMM with `spec.command` (any launcher: the VMM itself, or `ember-jailer`
+    /// exec'ing it), waits for the guest's agent and syncs its clock and entropy.
+    pub fn launch(
+        id: String,
+        spec: LaunchSpec,
+        connect_timeout: Duration,
+    ) -> Result<Sandbox, SandboxError> {
+        let LaunchSpec {
+            mut command,
+            dir,
+            uds,
+            api,
+            log,
+            die_with_parent,
+        } = spec;
+        let stderr = std::fs::File::create(&log).map_err(io_err("cannot create", &log))?;
+        let t0 = Instant::now();
+        if die_with_parent {
+            use std::os::unix::process::CommandExt;
+            let die_with_parent = || {
+                // SAFETY: prctl(PR_SET_PDEATHSIG) takes plain integers and touches no memory.
+                if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) } != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            };
+            // SAFETY: the hook runs in the child between fork and exec and only calls prctl,
+            // which is async-signal-safe; it allocates nothing and takes no locks.
+            unsafe { command.pre_exec(die_with_parent) };
+        }
+        let child = command
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)
             .spawn()
             .map_err(|e| SandboxError::Vmm {
                 id: id.clone(),
-                message: format!("cannot start {}: {e}", vmm.display()),
+                message: format!("cannot start {:?}: {e}", command.get_program()),
             })?;
+        let pidfd = pidfd_open(child.id() as i32).ok();
         let mut sandbox = Sandbox {
             id,
             dir,
             uds,
             api,
-            child: Mutex::new(Some(child)),
+            log,
+            child: Mutex::new(Some(Proc::Child(child))),
+            pidfd,
             pool: Mutex::new(Vec::new()),
             template: None,
             timings: CreateTimings::default(),
             env: BTreeMap::new(),
         };
         // From here on, a failure kills the VMM (Drop).
-        sandbox.wait_socket(t0, opts.connect_timeout)?;
+        sandbox.wait_socket(t0, connect_timeout)?;
         sandbox.timings.vmm_ready_ms = t0.elapsed().as_secs_f64() * 1e3;
         // The socket file appears at bind(); until the VMM's listen() a connect is refused.
-        let mut client = loop {
-            let left = opts.connect_timeout.saturating_sub(t0.elapsed());
-            match Client::connect_uds(&sandbox.uds, AGENT_PORT, left.max(Duration::from_secs(1))) {
+        // A restored guest also handles the vsock transport reset the device sends it on
+        // restore: a connection that races with it is reset (handshake refused, or closed
+        // before `sync` is answered). Both are retried until the deadline.
+        let client = loop {
+            let left = connect_timeout.saturating_sub(t0.elapsed());
+            let attempt =
+                Client::connect_uds(&sandbox.uds, AGENT_PORT, left.max(Duration::from_secs(1)))
+                    .map_err(|e| ("connect", e))
+                    .and_then(|mut c| c.sync_now().map(|_| c).map_err(|e| ("sync", e)));
+            match attempt {
                 Ok(c) => break c,
-                Err(ClientError::Io { source, .. })
-                    if source.kind() == std::io::ErrorKind::ConnectionRefused
-                        && t0.elapsed() < opts.connect_timeout =>
-                {
+                Err((_, e)) if transient(&e) && t0.elapsed() < connect_timeout => {
                     if let Some(message) = sandbox.exited()? {
                         return Err(SandboxError::Vmm {
                             id: sandbox.id.clone(),
                             message,
                         });
                     }
-                    std::thread::sleep(Duration::from_micros(200));
+                    std::thread::sleep(Duration::from_micros(500));
                 }
-                Err(source) => return Err(sandbox.agent_err("connect", source)),
+                Err((call, source)) => return Err(sandbox.agent_err(call, source)),
             }
         };
-        client
-            .sync_now()
-            .map_err(|source| sandbox.agent_err("sync", source))?;
         sandbox.timings.synced_ms = t0.elapsed().as_secs_f64() * 1e3;
         sandbox
             .pool
@@ -265,6 +371,56 @@ impl Sandbox {
             .map_err(|_| SandboxError::Gone(sandbox.id.clone()))?
             .push(client);
         Ok(sandbox)
+    }
+
+    /// Takes over a running VMM that another process started (a restarted server
+    /// re-attaching its sandboxes): `pid` is watched through a pidfd, killed on
+    /// [`Sandbox::kill`]. Fails when no such process runs.
+    pub fn adopt(id: String, pid: i32, spec_paths: AdoptPaths) -> Result<Sandbox, SandboxError> {
+        let pidfd = pidfd_open(pid).map_err(|e| SandboxError::Vmm {
+            id: id.clone(),
+            message: format!("cannot watch VMM pid {pid}: {e}"),
+        })?;
+        let AdoptPaths { dir, uds, api, log } = spec_paths;
+        let watch = pidfd
+            .try_clone()
+            .map_err(io_err("cannot duplicate the pidfd of", &dir))?;
+        Ok(Sandbox {
+            id,
+            dir,
+            uds,
+            api,
+            log,
+            child: Mutex::new(Some(Proc::Adopted { pid, pidfd })),
+            pidfd: Some(watch),
+            pool: Mutex::new(Vec::new()),
+            template: None,
+            timings: CreateTimings::default(),
+            env: BTreeMap::new(),
+        })
+    }
+
+    /// Sets what [`Sandbox::template`] and the environment of new contexts say (for
+    /// sandboxes the runtime launched itself).
+    pub fn set_template(&mut self, name: Option<String>, env: BTreeMap<String, String>) {
+        self.template = name;
+        self.env = env;
+    }
+
+    /// A pidfd of the VMM process (readable once it exited), for event loops that watch many.
+    pub fn pidfd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        self.pidfd.as_ref().map(|f| f.as_fd())
+    }
+
+    /// Reaps the VMM if it exited: `Some(how)` (exit status or signal; for an adopted
+    /// process only "exited").
+    pub fn exit_status(&self) -> Option<String> {
+        let mut child = self.child.lock().ok()?;
+        match child.as_mut()? {
+            Proc::Child(c) => c.try_wait().ok().flatten().map(|s| s.to_string()),
+            Proc::Adopted { pidfd, .. } => pidfd_exited(pidfd).then(|| "exited".to_string()),
+        }
     }
 
     fn wait_socket(&self, t0: Instant, timeout: Duration) -> Result<(), SandboxError> {
@@ -297,9 +453,13 @@ impl Sandbox {
         let Some(c) = child.as_mut() else {
             return Ok(Some("killed".into()));
         };
-        match c.try_wait() {
+        let status = match c {
+            Proc::Child(c) => c.try_wait().map(|s| s.map(|s| s.to_string())),
+            Proc::Adopted { pidfd, .. } => Ok(pidfd_exited(pidfd).then(|| "exited".to_string())),
+        };
+        match status {
             Ok(Some(status)) => {
-                let log = std::fs::read_to_string(self.dir.join("vmm.log")).unwrap_or_default();
+                let log = std::fs::read_to_string(&self.log).unwrap_or_default();
                 let last = log
                     .lines()
                     .rev()
@@ -652,7 +812,10 @@ impl Sandbox {
 
     /// The VMM's pid, while it runs.
     pub fn pid(&self) -> Option<u32> {
-        self.child.lock().ok()?.as_ref().map(Child::id)
+        self.child.lock().ok()?.as_ref().map(|p| match p {
+            Proc::Child(c) => c.id(),
+            Proc::Adopted { pid, .. } => *pid as u32,
+        })
     }
 
     /// The VMM's control socket.
@@ -698,9 +861,33 @@ impl Sandbox {
             .lock()
             .map_err(|_| SandboxError::Gone(self.id.clone()))?
             .take();
-        if let Some(mut c) = child {
-            let _ = c.kill();
-            let _ = c.wait();
+        match child {
+            Some(Proc::Child(mut c)) => {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            Some(Proc::Adopted { pid, pidfd }) => {
+                // SAFETY: pidfd_send_signal on a pidfd we own; the pidfd pins the process
+                // identity, so no recycled pid is signalled.
+                unsafe {
+                    libc::syscall(
+                        libc::SYS_pidfd_send_signal,
+                        pidfd.as_raw_fd(),
+                        libc::SIGKILL,
+                        std::ptr::null::<libc::siginfo_t>(),
+                        0,
+                    )
+                };
+                let mut fds = [libc::pollfd {
+                    fd: pidfd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                }];
+                // SAFETY: `fds` is a valid array of one pollfd for the duration of the call.
+                unsafe { libc::poll(fds.as_mut_ptr(), 1, 5000) };
+                let _ = pid;
+            }
+            None => {}
         }
         if self.dir.exists() {
             std::fs::remove_dir_all(&self.dir).map_err(io_err("cannot remove", &self.dir))?;

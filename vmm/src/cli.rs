@@ -1,6 +1,6 @@
 //! Parsers for the device specifications the command lines take (`ember-vmm` and `ember`):
 //! `--disk path=..,mode=ro|rw|overlay,base=..,id=..`, `--net tap=..,mac=..`,
-//! `--vsock cid=..,uds=..`.
+//! `--vsock cid=..,uds=..`, and sizes (`--serial-max-bytes 4M`).
 
 use std::path::PathBuf;
 
@@ -96,6 +96,26 @@ pub fn parse_disk(s: &str) -> Result<BlockConfig, String> {
     Ok(BlockConfig { path, mode, id })
 }
 
+/// A size in bytes: `N`, or `N` with a `K`, `M` or `G` suffix (KiB, MiB, GiB); at least 1.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let (digits, unit) = match s.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&s[..i], 1u64 << 10),
+        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|e| format!("size {s:?}: {e} (expected N, NK, NM or NG)"))?;
+    let bytes = n
+        .checked_mul(unit)
+        .ok_or_else(|| format!("size {s:?} is too large"))?;
+    if bytes == 0 {
+        return Err(format!("size {s:?}: must be at least 1 byte"));
+    }
+    Ok(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,5 +150,21 @@ mod tests {
         assert!(parse_disk("path=/a,colour=red")
             .unwrap_err()
             .contains("colour"));
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("4M"), Ok(4 << 20));
+        assert_eq!(parse_size("1g"), Ok(1 << 30));
+        assert!(parse_size("0").unwrap_err().contains("at least 1"));
+        assert!(parse_size("").is_err());
+        assert!(parse_size("M").is_err());
+        assert!(parse_size("4MB").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("99999999999999G")
+            .unwrap_err()
+            .contains("too large"));
     }
 }

@@ -70,7 +70,7 @@ impl SerialInput {
             Ok(k) => {
                 self.pending.drain(..k);
             }
-            Err(e) => tracing::warn!("console input: {e}"),
+            Err(e) => ember_devices::warn_limited!("console input: {e}"),
         }
     }
 

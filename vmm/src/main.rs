@@ -9,8 +9,9 @@ use clap::Parser;
 use ember_devices::virtio::block::BlockConfig;
 use ember_devices::virtio::net::NetConfig;
 use ember_devices::virtio::vsock::VsockConfig;
-use ember_vmm::cli::{parse_disk, parse_net, parse_vsock};
+use ember_vmm::cli::{parse_disk, parse_net, parse_size, parse_vsock};
 use ember_vmm::report::{Reporter, StartTime};
+use ember_vmm::rotating_file::RotatingFile;
 use ember_vmm::{CpuProfile, Vm, VmConfig};
 
 /// Boots one microVM in this process.
@@ -40,8 +41,14 @@ struct Args {
     taps: Vec<String>,
     /// With --restore: new paths for the disks, in order (repeatable; `-` keeps a disk's path).
     /// For overlay disks this is the clone's own overlay, a copy of the snapshot-time one.
-    #[arg(long = "disk-path", requires = "restore")]
+    #[arg(long = "disk-path", requires = "restore", value_name = "PATH")]
     disk_paths: Vec<String>,
+    /// With --restore: new base images for the overlay disks, in disk order like --disk-path
+    /// (repeatable; `-` keeps a disk's base). Use it where the base lives at another path than
+    /// when the snapshot was taken (e.g. inside a jail); it must be the same image (size and
+    /// content fingerprint are checked). A path for a disk that is not an overlay is an error.
+    #[arg(long = "disk-base", requires = "restore", value_name = "PATH")]
+    disk_bases: Vec<String>,
     /// Track dirty pages so that diff snapshots can be taken (also with --restore).
     #[arg(long)]
     track_dirty_pages: bool,
@@ -67,9 +74,22 @@ struct Args {
     /// CPU profile: host, pvm or baseline (default: detected from the host's KVM).
     #[arg(long)]
     cpu_profile: Option<CpuProfile>,
-    /// Where guest console output goes: `stdout`, `none` or `file:PATH`.
+    /// Where guest console output goes: `stdout`, `none` or `file:PATH`. A file is capped
+    /// (--serial-max-bytes): when full it is renamed to PATH.1 (replacing the previous one) and
+    /// a new PATH is started, so it takes at most twice the cap on disk.
     #[arg(long, default_value = "stdout")]
     serial: String,
+    /// Size cap of the `--serial file:PATH` file: bytes, or with a K, M or G suffix (KiB, MiB,
+    /// GiB) [default: 4M].
+    #[arg(long, value_parser = parse_size, value_name = "N")]
+    serial_max_bytes: Option<u64>,
+    /// Write the VMM's log to this file instead of stderr (capped and rotated like the
+    /// console file, written by a thread of its own; the level comes from EMBER_LOG).
+    #[arg(long, value_name = "PATH")]
+    log_file: Option<PathBuf>,
+    /// Size cap of the --log-file file: bytes, or with a K, M or G suffix [default: 4M].
+    #[arg(long, value_parser = parse_size, value_name = "N", requires = "log_file")]
+    log_max_bytes: Option<u64>,
     /// Feed the guest's serial console from stdin (`stdin`) or not at all (`none`).
     #[arg(long, default_value = "none")]
     serial_input: String,
@@ -94,19 +114,37 @@ struct Args {
     api_sock: Option<PathBuf>,
 }
 
-fn serial_out(spec: &str) -> Result<ember_devices::legacy::SerialOut, String> {
-    match spec {
-        "stdout" => Ok(Box::new(std::io::LineWriter::new(std::io::stdout()))),
-        "none" => Ok(Box::new(std::io::sink())),
-        s => match s.strip_prefix("file:") {
-            Some(p) => std::fs::File::create(p)
-                .map(|f| Box::new(f) as ember_devices::legacy::SerialOut)
-                .map_err(|e| format!("cannot create serial output file {p}: {e}")),
-            None => Err(format!(
-                "--serial {s:?}: expected stdout, none or file:PATH"
-            )),
-        },
+fn serial_out(
+    spec: &str,
+    max_bytes: Option<u64>,
+) -> Result<ember_devices::legacy::SerialOut, String> {
+    let file = spec.strip_prefix("file:");
+    if file.is_none() && max_bytes.is_some() {
+        return Err(format!(
+            "--serial-max-bytes only applies to --serial file:PATH, not --serial {spec}"
+        ));
     }
+    match (spec, file) {
+        ("stdout", _) => Ok(Box::new(std::io::LineWriter::new(std::io::stdout()))),
+        ("none", _) => Ok(Box::new(std::io::sink())),
+        (_, Some(p)) => {
+            let max = max_bytes.unwrap_or(ember_vmm::rotating_file::DEFAULT_MAX_BYTES);
+            RotatingFile::create(std::path::Path::new(p), max)
+                .map(|f| Box::new(f) as ember_devices::legacy::SerialOut)
+                .map_err(|e| format!("serial output file: {e}"))
+        }
+        (s, None) => Err(format!(
+            "--serial {s:?}: expected stdout, none or file:PATH"
+        )),
+    }
+}
+
+/// Per-disk overrides: `-` keeps the snapshot's value.
+fn keep_or_path(values: &[String]) -> Vec<Option<PathBuf>> {
+    values
+        .iter()
+        .map(|p| (p != "-").then(|| PathBuf::from(p)))
+        .collect()
 }
 
 fn config(args: &Args) -> Result<VmConfig, String> {
@@ -163,16 +201,17 @@ fn main() -> ExitCode {
     let start = StartTime::now();
     let args = Args::parse();
     ember_vmm::seccomp::set_mode(args.seccomp);
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("EMBER_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let fail = |msg: String| {
         eprintln!("ember-vmm: error: {msg}");
         ExitCode::from(1)
+    };
+    // Declared before everything that logs, so dropped after it: writes out queued lines.
+    let _log = match ember_vmm::logging::init(&ember_vmm::logging::target(
+        args.log_file.as_deref(),
+        args.log_max_bytes,
+    )) {
+        Ok(guard) => guard,
+        Err(e) => return fail(e.to_string()),
     };
     if let [diff, out] = args.merge_snapshot.as_slice() {
         return match ember_vmm::snapshot::merge_snapshot(diff, out) {
@@ -185,6 +224,20 @@ fn main() -> ExitCode {
             }
             Err(e) => fail(e.to_string()),
         };
+    }
+    // clap's `requires = "restore"` is satisfied by --kernel (which conflicts with --restore),
+    // so the restore-only overrides are checked here: given without --restore they would be
+    // silently ignored.
+    if args.restore.is_none() {
+        let given = [
+            ("--vsock-uds", args.vsock_uds.is_some()),
+            ("--tap", !args.taps.is_empty()),
+            ("--disk-path", !args.disk_paths.is_empty()),
+            ("--disk-base", !args.disk_bases.is_empty()),
+        ];
+        if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+            return fail(format!("{flag} only applies with --restore"));
+        }
     }
     let reporter = match &args.report {
         Some(p) => match Reporter::to_file(p) {
@@ -199,7 +252,7 @@ fn main() -> ExitCode {
         "start",
         serde_json::json!({ "mono_ns": start.mono_ns, "pid": std::process::id(), "uid": uid }),
     );
-    let out = match serial_out(&args.serial) {
+    let out = match serial_out(&args.serial, args.serial_max_bytes) {
         Ok(o) => o,
         Err(e) => return fail(e),
     };
@@ -211,11 +264,8 @@ fn main() -> ExitCode {
                 prefetch: args.prefetch,
                 vsock_uds: args.vsock_uds.clone(),
                 net_taps: args.taps.clone(),
-                disk_paths: args
-                    .disk_paths
-                    .iter()
-                    .map(|p| (p != "-").then(|| PathBuf::from(p)))
-                    .collect(),
+                disk_paths: keep_or_path(&args.disk_paths),
+                disk_bases: keep_or_path(&args.disk_bases),
             };
             Vm::restore(dir, &opts, out, reporter.clone(), start).map_err(|e| e.to_string())
         }

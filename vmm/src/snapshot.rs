@@ -23,7 +23,7 @@ use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap};
 
 use ember_devices::bus::lock;
-use ember_devices::virtio::block::{Block, BlockState};
+use ember_devices::virtio::block::{Block, BlockError, BlockMode, BlockState};
 use ember_devices::virtio::mmio::MmioTransportState;
 use ember_devices::virtio::net::{Net, NetState};
 use ember_devices::virtio::vsock::{Vsock, VsockState};
@@ -69,6 +69,16 @@ pub enum SnapshotError {
         dir: PathBuf,
         /// Why.
         source: Box<VmError>,
+    },
+    /// A restore-time override does not fit the snapshot's disks.
+    #[error("snapshot {dir}: disk {disk}: {reason}")]
+    DiskOverride {
+        /// The snapshot.
+        dir: PathBuf,
+        /// The disk's index (the order of `--disk`, `--disk-path` and `--disk-base`).
+        disk: usize,
+        /// What does not fit.
+        reason: String,
     },
     /// I/O on the snapshot's files.
     #[error("{what} {path}: {source}")]
@@ -407,10 +417,7 @@ pub fn write_snapshot(
                 VirtioHandle::Block(d) => {
                     let dev = lock(d);
                     let st = dev.save();
-                    if matches!(
-                        st.config.mode,
-                        ember_devices::virtio::block::BlockMode::Overlay { .. }
-                    ) {
+                    if matches!(st.config.mode, BlockMode::Overlay { .. }) {
                         overlay_copies
                             .push((st.config.path.clone(), overlay_file_name(disk_index)));
                     }
@@ -476,6 +483,12 @@ pub struct RestoreOptions {
     /// New paths for the disks, in order (for overlay disks: the clone's own overlay file,
     /// which must start as a copy of the snapshot-time overlay).
     pub disk_paths: Vec<Option<PathBuf>>,
+    /// New base images for the overlay disks, in disk order (`None` keeps a disk's base; a
+    /// path for a disk that is not an overlay is refused). The base may live at another path
+    /// (e.g. inside a jail) but must be the same image: the overlay records the base's size
+    /// and content fingerprint, and the snapshot the fingerprint, and both are checked when
+    /// the disk is opened.
+    pub disk_bases: Vec<Option<PathBuf>>,
 }
 
 /// Reads and checks a snapshot's state against this host, before anything is built.
@@ -592,7 +605,8 @@ impl Vm {
         start: StartTime,
     ) -> Result<Self, SnapshotError> {
         let mut steps = Steps::new(start);
-        let state = load_state(dir, opts)?;
+        let mut state = load_state(dir, opts)?;
+        apply_overrides(dir, &mut state.config, opts)?;
         steps.mark("read_and_check_state");
         let build = |e: VmError| SnapshotError::Build {
             dir: dir.to_path_buf(),
@@ -677,7 +691,6 @@ impl Vm {
         steps.mark("cpuid_check_and_legacy_devices");
         let mut events = events;
         let mut config = state.config;
-        apply_overrides(&mut config, opts);
         config.track_dirty_pages = opts.track_dirty_pages;
         let (mut disk_i, mut net_i) = (0usize, 0usize);
         for v in state.virtio {
@@ -703,10 +716,7 @@ impl Vm {
                         .get(disk_i)
                         .cloned()
                         .unwrap_or(s.config.clone());
-                    if matches!(
-                        cfg.mode,
-                        ember_devices::virtio::block::BlockMode::Overlay { .. }
-                    ) {
+                    if matches!(cfg.mode, BlockMode::Overlay { .. }) {
                         let given = opts.disk_paths.get(disk_i).cloned().flatten();
                         let Some(own) = given else {
                             return Err(dev_err(format!(
@@ -720,10 +730,18 @@ impl Vm {
                         }
                         cfg.path = own;
                     }
+                    let new_base = opts.disk_bases.get(disk_i).is_some_and(Option::is_some);
+                    let d = Block::restore((cfg, args), &s).map_err(|e| {
+                        let hint = match (&e, new_base) {
+                            (BlockError::BaseMismatch { .. }, true) => {
+                                " (the base given with --disk-base is not the snapshot's image)"
+                            }
+                            _ => "",
+                        };
+                        dev_err(format!("disk {disk_i}: {e}{hint}"))
+                    })?;
+                    let d = Arc::new(std::sync::Mutex::new(d));
                     disk_i += 1;
-                    let d = Arc::new(std::sync::Mutex::new(
-                        Block::restore((cfg, args), &s).map_err(|e| dev_err(e.to_string()))?,
-                    ));
                     devices
                         .attach_virtio(
                             &vm_fd,
@@ -897,8 +915,28 @@ impl Steps {
     }
 }
 
-/// Applies restore-time overrides to the snapshot's configuration.
-fn apply_overrides(config: &mut VmConfig, opts: &RestoreOptions) {
+/// Applies restore-time overrides to the snapshot's configuration (`dir` names the snapshot
+/// in errors). Base overrides must name overlay disks the snapshot has.
+fn apply_overrides(
+    dir: &Path,
+    config: &mut VmConfig,
+    opts: &RestoreOptions,
+) -> Result<(), SnapshotError> {
+    let refuse = |disk: usize, reason: String| SnapshotError::DiskOverride {
+        dir: dir.to_path_buf(),
+        disk,
+        reason,
+    };
+    if opts.disk_bases.len() > config.disks.len() {
+        return Err(refuse(
+            config.disks.len(),
+            format!(
+                "{} base images given (--disk-base), the snapshot has {} disks",
+                opts.disk_bases.len(),
+                config.disks.len()
+            ),
+        ));
+    }
     if let (Some(v), Some(uds)) = (config.vsock.as_mut(), &opts.vsock_uds) {
         v.uds_path = uds.clone();
     }
@@ -910,6 +948,25 @@ fn apply_overrides(config: &mut VmConfig, opts: &RestoreOptions) {
             d.path = p.clone();
         }
     }
+    for (i, (d, b)) in config.disks.iter_mut().zip(&opts.disk_bases).enumerate() {
+        let Some(new) = b else { continue };
+        match &mut d.mode {
+            BlockMode::Overlay { base } => *base = new.clone(),
+            other => {
+                return Err(refuse(
+                    i,
+                    format!(
+                        "{} is a {} disk, not a copy-on-write overlay: it has no base image to \
+                         replace with {} (give `-` for it)",
+                        d.path.display(),
+                        other.name(),
+                        new.display()
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Populates the snapshot's recorded working set, now or on a helper thread.
@@ -978,4 +1035,111 @@ fn same_cpuid(a: &[kvm_bindings::kvm_cpuid_entry2], b: &[kvm_bindings::kvm_cpuid
     x.sort_unstable();
     y.sort_unstable();
     x == y
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ember_devices::virtio::block::BlockConfig;
+
+    fn config() -> VmConfig {
+        let mut c = VmConfig::new("/vmlinux".into());
+        c.disks = vec![
+            BlockConfig {
+                path: "/host/root.overlay".into(),
+                mode: BlockMode::Overlay {
+                    base: "/host/root.ext4".into(),
+                },
+                id: "root".into(),
+            },
+            BlockConfig {
+                path: "/host/data.img".into(),
+                mode: BlockMode::ReadWrite,
+                id: String::new(),
+            },
+            BlockConfig {
+                path: "/host/tools.img".into(),
+                mode: BlockMode::ReadOnly,
+                id: String::new(),
+            },
+        ];
+        c
+    }
+
+    fn opts(paths: &[&str], bases: &[&str]) -> RestoreOptions {
+        let keep = |v: &[&str]| {
+            v.iter()
+                .map(|p| (*p != "-").then(|| PathBuf::from(p)))
+                .collect()
+        };
+        RestoreOptions {
+            disk_paths: keep(paths),
+            disk_bases: keep(bases),
+            ..RestoreOptions::default()
+        }
+    }
+
+    #[test]
+    fn disk_base_replaces_the_base_of_an_overlay_disk() {
+        let mut c = config();
+        let o = opts(
+            &["/work/disk0.overlay", "/disk1"],
+            &["/disk0.base", "-", "-"],
+        );
+        apply_overrides(Path::new("/snap"), &mut c, &o).unwrap();
+        assert_eq!(c.disks[0].path, PathBuf::from("/work/disk0.overlay"));
+        assert_eq!(
+            c.disks[0].mode,
+            BlockMode::Overlay {
+                base: "/disk0.base".into()
+            }
+        );
+        assert_eq!(c.disks[1].path, PathBuf::from("/disk1"));
+        assert_eq!(c.disks[1].mode, BlockMode::ReadWrite);
+        assert_eq!(c.disks[2].path, PathBuf::from("/host/tools.img"));
+        assert_eq!(c.disks[2].mode, BlockMode::ReadOnly);
+    }
+
+    #[test]
+    fn without_disk_base_the_snapshot_base_is_kept() {
+        for bases in [&[][..], &["-"][..]] {
+            let mut c = config();
+            apply_overrides(Path::new("/snap"), &mut c, &opts(&[], bases)).unwrap();
+            assert_eq!(c.disks, config().disks);
+        }
+    }
+
+    #[test]
+    fn a_base_for_a_disk_without_one_is_refused_naming_the_disk() {
+        for (i, bases) in [(1, &["-", "/b"][..]), (2, &["/a", "-", "/b"][..])] {
+            let mut c = config();
+            let e = apply_overrides(Path::new("/snap"), &mut c, &opts(&[], bases)).unwrap_err();
+            match &e {
+                SnapshotError::DiskOverride { disk, .. } => assert_eq!(*disk, i),
+                other => panic!("{other:?}"),
+            }
+            let msg = e.to_string();
+            assert!(msg.contains(&format!("disk {i}")), "{msg}");
+            assert!(msg.contains("not a copy-on-write overlay"), "{msg}");
+            assert!(msg.contains("/b"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn more_bases_than_disks_are_refused() {
+        let mut c = config();
+        let e = apply_overrides(
+            Path::new("/snap"),
+            &mut c,
+            &opts(&[], &["-", "-", "-", "/x"]),
+        )
+        .unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("4 base images given") && msg.contains("3 disks"),
+            "{msg}"
+        );
+        // Nothing was changed.
+        assert_eq!(c.disks, config().disks);
+    }
 }

@@ -2,9 +2,10 @@
 //!
 //! - The `ember-vmm` binary with its filters on boots a hand-assembled guest (one and four
 //!   vCPUs), serves every control request, writes a snapshot, restores it, records its
-//!   working set and prefetches it on the prefetch thread. Its test hook
-//!   (`EMBER_VMM_TEST_FORBIDDEN_SYSCALL`) kills it by `SIGSYS` in `kill` mode, on the main
-//!   thread, on a vCPU thread and on the prefetch thread, while `log` and `off` go on.
+//!   working set and prefetches it on the prefetch thread, and rotates its capped console
+//!   and log files. Its test hook (`EMBER_VMM_TEST_FORBIDDEN_SYSCALL`) kills it by `SIGSYS`
+//!   in `kill` mode, on the main thread, on a vCPU thread, on the prefetch thread and on the
+//!   log-writer thread, while `log` and `off` go on.
 //! - Probes: this test binary re-runs itself with `EMBER_SECCOMP_PROBE=<kind>:<action>`; the
 //!   child installs one filter on a fresh thread, does one thing, and either reports
 //!   `PROBE-OK` or dies by `SIGSYS`. That checks each filter loads, that what the VMM needs is
@@ -18,6 +19,7 @@ use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use ember_vmm::rotating_file::RotatingFile;
 use ember_vmm::seccomp::{self, SeccompMode, ThreadKind, TEST_HOOK_ENV};
 
 mod common;
@@ -171,6 +173,49 @@ fn the_hook_on_a_vcpu_thread_dies_by_sigsys() {
     }
     let vmm = Vmm::new();
     assert_sigsys(&vmm.run(Some("kill"), Some("vcpu"), &[]));
+}
+
+/// Console into a file capped at 2 bytes ("ok\n" rotates on the vCPU thread) and an info-level
+/// log into a file capped at 40 bytes (each line rotates on the log-writer thread), all under
+/// `kill` filters.
+#[test]
+fn kill_mode_rotates_the_console_and_log_files() {
+    if !kvm_available() {
+        return;
+    }
+    let vmm = Vmm::new();
+    let d = vmm.dir.path();
+    let run = |hook: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ember-vmm"));
+        cmd.arg("--kernel")
+            .arg(&vmm.kernel)
+            .args(["--mem-mib", "64", "--seccomp", "kill", "--serial"])
+            .arg(format!("file:{}", d.join("console").display()))
+            .args(["--serial-max-bytes", "2", "--log-file"])
+            .arg(d.join("vmm.log"))
+            .args(["--log-max-bytes", "40"])
+            .env("EMBER_LOG", "info")
+            .env_remove("EMBER_SECCOMP")
+            .env_remove(TEST_HOOK_ENV);
+        if let Some(h) = hook {
+            cmd.env(TEST_HOOK_ENV, h);
+        }
+        no_core_dumps(&mut cmd).output().expect("spawn ember-vmm")
+    };
+    let o = run(None);
+    assert!(o.status.success(), "{}", describe(&o));
+    let read = |name: &str| std::fs::read(d.join(name)).unwrap();
+    assert_eq!(
+        (read("console.1"), read("console")),
+        (b"ok".to_vec(), b"\n".to_vec())
+    );
+    // The boot marker's info line went through the log thread, cut at the 40-byte cap.
+    let (old, cur) = (read("vmm.log.1"), read("vmm.log"));
+    assert!(old.len() <= 40 && cur.len() <= 40, "{old:?} {cur:?}");
+    let tail = String::from_utf8_lossy(&[old, cur].concat()).into_owned();
+    assert!(tail.ends_with(" ms\n"), "{tail:?}");
+    // The log thread really is filtered.
+    assert_sigsys(&run(Some("log")));
 }
 
 #[test]
@@ -429,6 +474,9 @@ fn probe_child() {
     // Like the VMM's control socket, a listener is bound during set-up.
     let listener = (action == "control_socket")
         .then(|| std::os::unix::net::UnixListener::bind(dir.join("s.sock")).unwrap());
+    // Like the console and log files, a capped file is created during set-up.
+    let rotating = matches!(action, "rotate_files" | "rename_plain")
+        .then(|| RotatingFile::create(&dir.join("console"), 8).unwrap());
     // The signals the tgkill probes send are ignored (rt_sigaction is a set-up syscall).
     // SAFETY: SIG_IGN for a signal this child process does not otherwise use.
     unsafe { libc::signal(libc::SIGRTMIN(), libc::SIG_IGN) };
@@ -437,11 +485,21 @@ fn probe_child() {
     let action = action.to_string();
     // A fresh thread, so the test harness's own threads stay unfiltered; its exit path runs
     // under the filter, as a VMM thread's does.
+    let dir2 = dir.clone();
     let t = std::thread::spawn(move || {
         seccomp::install(kind, SeccompMode::Kill).expect("install");
-        run_action(&action, &dir, &dev_null, listener);
+        run_action(&action, &dir2, &dev_null, listener, rotating);
     });
     t.join().expect("probe thread");
+    if spec.ends_with(":rotate_files") {
+        // Back on the unfiltered thread: the rotations happened.
+        let cur = std::fs::read(dir.join("console")).unwrap();
+        let old = std::fs::read(dir.join("console.1")).unwrap();
+        assert_eq!(
+            (old.as_slice(), cur.as_slice()),
+            (&b"01234567"[..], &b"89"[..])
+        );
+    }
     println!("{PROBE_OK}");
 }
 
@@ -450,6 +508,7 @@ fn run_action(
     dir: &Path,
     dev_null: &std::fs::File,
     listener: Option<std::os::unix::net::UnixListener>,
+    rotating: Option<RotatingFile>,
 ) {
     use std::os::unix::io::AsRawFd;
     let fd = dev_null.as_raw_fd();
@@ -646,6 +705,33 @@ fn run_action(
             c.read_exact(&mut b).unwrap();
             c.shutdown(std::net::Shutdown::Both).unwrap();
         }
+        "rotate_files" => {
+            // The console as the UART writes it, byte by byte, into a file capped at 8 bytes:
+            // ftruncate and renameat2(RENAME_EXCHANGE) at each rotation; dropped at the end.
+            use std::io::Write;
+            let mut f = rotating.expect("the rotate_files probe creates the file first");
+            for b in b"abcdefgh0123456789" {
+                f.write_all(&[*b]).unwrap();
+                f.flush().unwrap();
+            }
+            assert_eq!(f.rotations(), 2);
+        }
+        "rename_plain" => {
+            // A plain rename of the same files (renameat2 without RENAME_EXCHANGE).
+            let _f = rotating;
+            let (from, to) = (c"console", c"console.2");
+            // SAFETY: see above.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_renameat2,
+                    libc::AT_FDCWD,
+                    from.as_ptr(),
+                    libc::AT_FDCWD,
+                    to.as_ptr(),
+                    0,
+                )
+            };
+        }
         other => panic!("unknown probe action {other:?}"),
     }
 }
@@ -713,6 +799,30 @@ fn vcpu_filter_allows_kvm_run_and_memory_but_refuses_the_rest() {
         "tgkill_kick",
     ] {
         assert_refused("vcpu", action);
+    }
+}
+
+#[test]
+fn vcpu_filter_allows_rotating_the_console_file_but_no_plain_rename() {
+    assert_allowed("vcpu", "rotate_files");
+    assert_refused("vcpu", "rename_plain");
+}
+
+#[test]
+fn log_filter_allows_writing_and_rotating_its_file_and_nothing_else() {
+    assert_allowed("log", "rotate_files");
+    assert_allowed("log", "mmap_anon");
+    for action in [
+        "rename_plain",
+        "openat",
+        "execve",
+        "socket_unix",
+        "mmap_exec",
+        "mprotect_exec",
+        "ioctl_kvm_run",
+        "tgkill_kick",
+    ] {
+        assert_refused("log", action);
     }
 }
 
@@ -808,6 +918,7 @@ fn constant(name: &str) -> Option<u64> {
         "MADV_POPULATE_READ" => 22,
         "FALLOC_FL_KEEP_SIZE" => libc::FALLOC_FL_KEEP_SIZE as u64,
         "FALLOC_FL_PUNCH_HOLE" => libc::FALLOC_FL_PUNCH_HOLE as u64,
+        "RENAME_EXCHANGE" => libc::RENAME_EXCHANGE as u64,
         _ => return None,
     };
     Some(v)

@@ -45,7 +45,7 @@ impl BusDevice for I8042 {
     fn write(&mut self, offset: u64, data: &[u8]) {
         if let (Ok(off), [b]) = (u8::try_from(offset), data) {
             if let Err(e) = self.inner.write(off, *b) {
-                tracing::error!("i8042: cannot signal the reset: {e}");
+                crate::error_limited!("i8042: cannot signal the reset: {e}");
             }
         }
     }

@@ -120,7 +120,7 @@ impl BusDevice for Serial {
         if let (Ok(off), [b]) = (u8::try_from(offset), data) {
             let dlab = self.inner.state().line_control & LCR_DLAB != 0;
             if let Err(e) = self.inner.write(off, *b) {
-                tracing::warn!("serial write at offset {off}: {e:?}");
+                crate::warn_limited!("serial write at offset {off}: {e:?}");
             }
             if off == 1 && !dlab && *b & IER_RDI != 0 {
                 if let Some(e) = &self.input_ready {

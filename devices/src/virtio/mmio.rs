@@ -200,7 +200,9 @@ impl MmioTransport {
         let old = self.regs.status;
         // The driver may only add bits (§3.1.1); anything else is ignored.
         if value & old != old {
-            tracing::warn!("virtio-mmio: driver tried to clear status bits {old:#x} -> {value:#x}");
+            crate::warn_limited!(
+                "virtio-mmio: driver tried to clear status bits {old:#x} -> {value:#x}"
+            );
             return;
         }
         let added = value & !old;
@@ -210,7 +212,7 @@ impl MmioTransport {
             drop(dev);
             let acked = self.regs.acked_features;
             if acked & !offered != 0 || acked & VIRTIO_F_VERSION_1 == 0 {
-                tracing::warn!(
+                crate::warn_limited!(
                     "virtio-mmio: driver accepted features {acked:#x} outside {offered:#x} \
                      or without VERSION_1; FEATURES_OK refused"
                 );
@@ -221,7 +223,7 @@ impl MmioTransport {
         }
         if added & status::DRIVER_OK != 0 {
             if value & status::FEATURES_OK == 0 {
-                tracing::warn!("virtio-mmio: DRIVER_OK without FEATURES_OK");
+                crate::warn_limited!("virtio-mmio: DRIVER_OK without FEATURES_OK");
                 self.regs.status = value & !status::DRIVER_OK;
                 return;
             }
@@ -258,7 +260,7 @@ impl MmioTransport {
             lock(&self.device).activate(self.mem.clone(), self.interrupt.clone(), queues)
         })();
         if let Err(e) = result {
-            tracing::warn!(
+            crate::warn_limited!(
                 "virtio-mmio: device type {} refused to start: {e}",
                 self.device_type()
             );
@@ -291,7 +293,7 @@ impl MmioTransport {
             0x70 => self.regs.status,
             0xfc => self.regs.config_generation,
             _ => {
-                tracing::debug!("virtio-mmio: read of unknown register {offset:#x}");
+                crate::debug_limited!("virtio-mmio: read of unknown register {offset:#x}");
                 0
             }
         }
@@ -321,7 +323,7 @@ impl MmioTransport {
                     // old size otherwise and the queue fails validation at DRIVER_OK.
                     if let Ok(size) = u16::try_from(v) {
                         if q.try_set_size(size).is_err() {
-                            tracing::warn!("virtio-mmio: invalid queue size {v}");
+                            crate::warn_limited!("virtio-mmio: invalid queue size {v}");
                         }
                     }
                 }
@@ -346,7 +348,9 @@ impl MmioTransport {
             0x94 => self.with_queue(|q| q.set_avail_ring_address(None, Some(v))),
             0xa0 => self.with_queue(|q| q.set_used_ring_address(Some(v), None)),
             0xa4 => self.with_queue(|q| q.set_used_ring_address(None, Some(v))),
-            _ => tracing::debug!("virtio-mmio: write of {v:#x} to register {offset:#x} ignored"),
+            _ => crate::debug_limited!(
+                "virtio-mmio: write of {v:#x} to register {offset:#x} ignored"
+            ),
         }
     }
 
@@ -574,6 +578,38 @@ mod tests {
         w(&mut t, 0x50, 1);
         w(&mut t, 0x50, 7);
         assert_eq!(dev.lock().unwrap().evts[1].read().unwrap(), 1);
+    }
+
+    #[test]
+    fn bad_register_writes_in_a_loop_are_rate_limited() {
+        use crate::ratelimit::capture::{suppressed_counts, Capture};
+        use crate::ratelimit::{test_clock, BURST, REFILL_INTERVAL};
+        let (mut t, _) = setup();
+        negotiate(&mut t, 1);
+        w(&mut t, 0x30, 0);
+        let capture = Capture::default();
+        tracing::subscriber::with_default(capture.clone(), || {
+            // Queue sizes must be powers of two: each write is refused with a warning.
+            for _ in 0..1000 {
+                w(&mut t, 0x38, 3);
+            }
+            test_clock::advance(REFILL_INTERVAL);
+            w(&mut t, 0x38, 5);
+        });
+        let lines = capture.lines();
+        let refused: Vec<_> = lines
+            .iter()
+            .filter(|(_, m)| m.starts_with("virtio-mmio: invalid queue size"))
+            .collect();
+        assert_eq!(refused.len() as u64, BURST + 1, "{lines:#?}");
+        assert_eq!(
+            refused.last().map(|l| l.1.as_str()),
+            Some("virtio-mmio: invalid queue size 5")
+        );
+        assert_eq!(suppressed_counts(&lines), vec![1000 - BURST], "{lines:#?}");
+        assert_eq!(lines.len() as u64, BURST + 2, "{lines:#?}");
+        // The queue kept its valid size throughout.
+        assert_eq!(t.queues[0].size(), 16);
     }
 
     #[test]

@@ -54,7 +54,7 @@ impl Interrupt {
     pub fn trigger(&self, cause: u32) {
         self.status.fetch_or(cause, Ordering::SeqCst);
         if let Err(e) = self.irq.eventfd().write(1) {
-            tracing::error!("cannot raise a virtio interrupt: {e}");
+            crate::error_limited!("cannot raise a virtio interrupt: {e}");
         }
     }
 

@@ -2,8 +2,10 @@
 //! `main.rs`).
 
 pub mod bench_sandbox;
+pub mod remote;
 pub mod render;
 pub mod run;
+pub mod serve;
 pub mod template;
 
 use std::process::ExitCode;

@@ -8,10 +8,11 @@ use base64::Engine;
 use ember_agent::protocol::{EndStatus, EventKind};
 use serde_json::{Map, Value};
 
-/// Renders the events of the cells of one `ember run`.
+/// Renders the events of the cells of one `ember run` (or one `ember code`).
 #[derive(Debug)]
 pub struct Renderer {
-    out_dir: PathBuf,
+    /// Where rich output is saved; None: it is only described (`[image/png 1234 bytes]`).
+    out_dir: Option<PathBuf>,
     json: bool,
     cell: usize,
     saved: usize,
@@ -33,11 +34,35 @@ fn extension(mime: &str) -> Option<&'static str> {
     })
 }
 
+/// The size of a MIME bundle value as its bytes (base64 images decoded).
+fn value_bytes(mime: &str, value: &Value) -> usize {
+    match (mime.starts_with("image/") && mime != "image/svg+xml", value) {
+        (true, Value::String(b64)) => {
+            let t = b64.trim();
+            let pad = t.bytes().rev().take_while(|c| *c == b'=').count();
+            (t.len() / 4 * 3).saturating_sub(pad)
+        }
+        (_, Value::String(s)) => s.len(),
+        (_, v) => serde_json::to_vec(v).map(|b| b.len()).unwrap_or(0),
+    }
+}
+
 impl Renderer {
     /// Rich output goes to `out_dir`; `json` prints raw events as JSON lines instead.
     pub fn new(out_dir: &Path, json: bool) -> Self {
         Self {
-            out_dir: out_dir.to_path_buf(),
+            out_dir: Some(out_dir.to_path_buf()),
+            json,
+            cell: 0,
+            saved: 0,
+            files: Vec::new(),
+        }
+    }
+
+    /// Rich output is described by type and size, not saved.
+    pub fn describing(json: bool) -> Self {
+        Self {
+            out_dir: None,
             json,
             cell: 0,
             saved: 0,
@@ -51,7 +76,7 @@ impl Renderer {
     }
 
     fn save(&mut self, mime: &str, value: &Value) -> std::io::Result<Option<PathBuf>> {
-        let Some(ext) = extension(mime) else {
+        let (Some(ext), Some(out_dir)) = (extension(mime), self.out_dir.clone()) else {
             return Ok(None);
         };
         let bytes = match (mime, value) {
@@ -64,11 +89,9 @@ impl Renderer {
             (_, Value::String(s)) => s.clone().into_bytes(),
             (_, v) => serde_json::to_vec_pretty(v).unwrap_or_default(),
         };
-        std::fs::create_dir_all(&self.out_dir)?;
+        std::fs::create_dir_all(&out_dir)?;
         self.saved += 1;
-        let path = self
-            .out_dir
-            .join(format!("cell{}-{}.{ext}", self.cell, self.saved));
+        let path = out_dir.join(format!("cell{}-{}.{ext}", self.cell, self.saved));
         std::fs::write(&path, bytes)?;
         self.files.push(path.clone());
         Ok(Some(path))
@@ -78,6 +101,10 @@ impl Renderer {
         let mut saved = Vec::new();
         for (mime, value) in data {
             if mime == "text/plain" {
+                continue;
+            }
+            if self.out_dir.is_none() {
+                saved.push(format!("{mime} {} bytes", value_bytes(mime, value)));
                 continue;
             }
             match self.save(mime, value) {
@@ -127,12 +154,21 @@ impl Renderer {
             }
             EventKind::Display(d) => self.bundle("", &d.data),
             EventKind::Exception(x) => {
+                use std::io::IsTerminal;
                 let mut e = std::io::stderr().lock();
+                // IPython's tracebacks carry their own colours; the plain ones get red.
+                let red = e.is_terminal() && !x.traceback.iter().any(|l| l.contains('\x1b'));
+                if red {
+                    let _ = write!(e, "\x1b[31m");
+                }
                 for line in &x.traceback {
                     let _ = writeln!(e, "{line}");
                 }
                 if x.traceback.is_empty() {
                     let _ = writeln!(e, "{}: {}", x.name, x.value);
+                }
+                if red {
+                    let _ = write!(e, "\x1b[0m");
                 }
             }
             EventKind::Truncated { .. } => {
@@ -156,6 +192,18 @@ impl Renderer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn described_images_give_their_decoded_size() {
+        let png = base64::engine::general_purpose::STANDARD.encode([7u8; 12345]);
+        assert_eq!(value_bytes("image/png", &Value::String(png)), 12345);
+        assert_eq!(value_bytes("text/html", &Value::String("<b>".into())), 3);
+        let mut r = Renderer::describing(false);
+        let mut data = Map::new();
+        data.insert("image/png".into(), Value::String("AAAA".into()));
+        r.bundle("", &data);
+        assert!(r.files.is_empty());
+    }
 
     #[test]
     fn png_bundles_are_saved_decoded() {

@@ -11,7 +11,10 @@
 //!   loop first runs. Installing it after the spawns keeps the vCPU threads out of it (a thread
 //!   inherits the filters of the thread that created it), so each vCPU thread is bound by the
 //!   vCPU list alone;
-//! - **the prefetch thread** of a restore ([`ThreadKind::Prefetch`]) first thing in the thread.
+//! - **the prefetch thread** of a restore ([`ThreadKind::Prefetch`]) first thing in the thread;
+//! - **the log writer** ([`ThreadKind::Log`], with `--log-file`: writes queued log lines into
+//!   the capped log file, see [`crate::logging`]) first thing in the thread. It is started
+//!   before the VM is built, so it inherits no other filter.
 //!
 //! A syscall outside the list kills the whole process (`SECCOMP_RET_KILL_PROCESS`, the VMM
 //! dies by `SIGSYS`) in [`SeccompMode::Kill`]. [`SeccompMode::Log`] lets it through and has
@@ -26,9 +29,9 @@
 //! # Test hook
 //! With `EMBER_VMM_TEST_FORBIDDEN_SYSCALL=1` (or `main`) in the environment when [`set_mode`]
 //! runs, [`install_configured`] makes a syscall that no list allows right after installing the
-//! main thread's filter; with `vcpu` or `prefetch`, right after that thread's. The tests use it
-//! to check that the filters are really in force (the VMM dies by `SIGSYS` in `kill` mode and
-//! goes on in `log` and `off` modes). The syscall is `personality(0xffffffff)`, which only
+//! main thread's filter; with `vcpu`, `prefetch` or `log`, right after that thread's. The tests
+//! use it to check that the filters are really in force (the VMM dies by `SIGSYS` in `kill`
+//! mode and goes on in `log` and `off` modes). The syscall is `personality(0xffffffff)`, which only
 //! reads the execution domain, so the variable is harmless in production: without a filter
 //! nothing happens, with one the VMM is killed, which is what setting it asks for.
 //!
@@ -55,11 +58,19 @@ pub enum ThreadKind {
     /// The helper thread of a restore that prefetches the snapshot's working set
     /// (`--prefetch async`): `madvise(MADV_POPULATE_READ)` on guest memory, one report line.
     Prefetch,
+    /// The thread that writes the VMM's log into its file (`--log-file`): `write`, and
+    /// `ftruncate` + `renameat2(RENAME_EXCHANGE)` to rotate it.
+    Log,
 }
 
 impl ThreadKind {
     /// Every kind.
-    pub const ALL: [ThreadKind; 3] = [ThreadKind::Main, ThreadKind::Vcpu, ThreadKind::Prefetch];
+    pub const ALL: [ThreadKind; 4] = [
+        ThreadKind::Main,
+        ThreadKind::Vcpu,
+        ThreadKind::Prefetch,
+        ThreadKind::Log,
+    ];
 
     /// The name of its filter (and of its JSON file under `vmm/seccomp/`).
     pub fn name(self) -> &'static str {
@@ -67,6 +78,7 @@ impl ThreadKind {
             ThreadKind::Main => "main",
             ThreadKind::Vcpu => "vcpu",
             ThreadKind::Prefetch => "prefetch",
+            ThreadKind::Log => "log",
         }
     }
 
@@ -85,6 +97,8 @@ impl ThreadKind {
             (ThreadKind::Vcpu, SeccompMode::Log) => bpf!("vcpu-log"),
             (ThreadKind::Prefetch, SeccompMode::Kill) => bpf!("prefetch-kill"),
             (ThreadKind::Prefetch, SeccompMode::Log) => bpf!("prefetch-log"),
+            (ThreadKind::Log, SeccompMode::Kill) => bpf!("log-kill"),
+            (ThreadKind::Log, SeccompMode::Log) => bpf!("log-log"),
         })
     }
 }
@@ -216,6 +230,7 @@ pub fn set_mode(mode: SeccompMode) {
         Ok("1") | Ok("main") => hook_code(ThreadKind::Main),
         Ok("vcpu") => hook_code(ThreadKind::Vcpu),
         Ok("prefetch") => hook_code(ThreadKind::Prefetch),
+        Ok("log") => hook_code(ThreadKind::Log),
         _ => HOOK_NONE,
     };
     HOOK.store(hook, Ordering::SeqCst);
@@ -226,6 +241,7 @@ fn hook_code(kind: ThreadKind) -> u8 {
         ThreadKind::Main => 1,
         ThreadKind::Vcpu => 2,
         ThreadKind::Prefetch => 3,
+        ThreadKind::Log => 4,
     }
 }
 

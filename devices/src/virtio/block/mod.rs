@@ -464,7 +464,7 @@ impl Block {
             let chains = match active.queue.iter(mem) {
                 Ok(iter) => iter.collect::<Vec<_>>(),
                 Err(e) => {
-                    tracing::warn!("virtio-blk: queue is broken ({e}); device needs reset");
+                    crate::warn_limited!("virtio-blk: queue is broken ({e}); device needs reset");
                     self.broken = true;
                     active.interrupt.trigger(interrupt_cause::CONFIG);
                     return;
@@ -493,7 +493,7 @@ impl Block {
                 };
                 let written = req.handle(mem, chain);
                 if let Err(e) = active.queue.add_used(mem, head, written) {
-                    tracing::warn!("virtio-blk: cannot complete request {head}: {e}");
+                    crate::warn_limited!("virtio-blk: cannot complete request {head}: {e}");
                 }
                 used_any = true;
             }
@@ -669,7 +669,7 @@ impl VirtioDevice for Block {
     }
 
     fn write_config(&mut self, offset: u64, _data: &[u8]) {
-        tracing::debug!("virtio-blk: config write at {offset:#x} ignored");
+        crate::debug_limited!("virtio-blk: config write at {offset:#x} ignored");
     }
 
     fn activate(
@@ -931,6 +931,43 @@ mod tests {
             hdr(T_IN, 0),
         );
         assert_eq!(st, S_IOERR);
+    }
+
+    #[test]
+    fn a_guest_breaking_its_queue_over_and_over_is_rate_limited() {
+        use crate::ratelimit::capture::{suppressed_counts, Capture};
+        use crate::ratelimit::{test_clock, BURST, REFILL_INTERVAL};
+        let mut f = fixture(BlockMode::ReadWrite, 8);
+        let irq = Arc::new(Interrupt::new(EventTrigger::new().unwrap()));
+        // What a hostile driver can repeat: reset, start the device on a ring whose available
+        // index is far ahead of its size (the queue is broken), and again.
+        let mut break_queue = || {
+            let mock = MockSplitQueue::new(&f.mem, 16);
+            mock.avail().idx().store(0x8000);
+            let q: Queue = mock.create_queue().unwrap();
+            f.dev.reset();
+            f.dev.set_acked_features(super::super::VIRTIO_F_VERSION_1);
+            f.dev.activate(f.mem.clone(), irq.clone(), vec![q]).unwrap();
+            assert!(f.dev.broken);
+        };
+        let capture = Capture::default();
+        tracing::subscriber::with_default(capture.clone(), || {
+            for _ in 0..1000 {
+                break_queue();
+            }
+            test_clock::advance(REFILL_INTERVAL);
+            break_queue();
+        });
+        let lines = capture.lines();
+        let broken = lines
+            .iter()
+            .filter(|(_, m)| m.contains("virtio-blk: queue is broken"))
+            .count() as u64;
+        // The burst, then one line after the refill interval, preceded by the count of the
+        // 990 dropped in between; nothing else.
+        assert_eq!(broken, BURST + 1, "{lines:#?}");
+        assert_eq!(suppressed_counts(&lines), vec![1000 - BURST], "{lines:#?}");
+        assert_eq!(lines.len() as u64, BURST + 2, "{lines:#?}");
     }
 
     #[test]

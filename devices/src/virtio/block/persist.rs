@@ -393,6 +393,34 @@ mod tests {
     }
 
     #[test]
+    fn a_clone_may_reach_its_base_by_another_path_but_not_use_another_base() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = base(dir.path());
+        let dev = Block::new(overlay_cfg(dir.path(), "o", &b)).unwrap();
+        let state = dev.save();
+        drop(dev);
+        // The same image at another path (a jail's hard link or bind mount, or a copy).
+        std::fs::create_dir(dir.path().join("jail")).unwrap();
+        let moved = dir.path().join("jail/disk0.base");
+        std::fs::copy(&b, &moved).unwrap();
+        let back = Block::restore((overlay_cfg(dir.path(), "o", &moved), None), &state).unwrap();
+        assert_eq!(back.config().mode, BlockMode::Overlay { base: moved });
+        drop(back);
+        // Another image of the same size: the content fingerprint differs.
+        let other = dir.path().join("other.img");
+        std::fs::write(&other, vec![8u8; 64 * 1024]).unwrap();
+        let e = Block::restore((overlay_cfg(dir.path(), "o", &other), None), &state).unwrap_err();
+        assert!(matches!(e, BlockError::BaseMismatch { .. }), "{e}");
+        assert!(e.to_string().contains("fingerprint"), "{e}");
+        assert!(e.to_string().contains("other.img"), "{e}");
+        // Another size.
+        std::fs::write(&other, vec![7u8; 128 * 1024]).unwrap();
+        let e = Block::restore((overlay_cfg(dir.path(), "o", &other), None), &state).unwrap_err();
+        assert!(matches!(e, BlockError::BaseMismatch { .. }), "{e}");
+        assert!(e.to_string().contains("65536"), "{e}");
+    }
+
+    #[test]
     fn raw_mode_size_mismatch_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let img = dir.path().join("raw.img");

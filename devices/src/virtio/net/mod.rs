@@ -384,7 +384,7 @@ impl Net {
     }
 
     fn mark_broken(&mut self, what: &str, e: virtio_queue::Error) {
-        tracing::warn!(
+        crate::warn_limited!(
             "virtio-net on TAP {}: {what} queue is broken ({e}); device needs reset",
             self.tap.name()
         );
@@ -446,7 +446,7 @@ impl Net {
                     }
                 },
                 Err(e) => {
-                    tracing::debug!(
+                    crate::debug_limited!(
                         "virtio-net on TAP {}: transmit chain {head} refused: {e}",
                         self.tap.name()
                     );
@@ -503,7 +503,7 @@ impl Net {
                 Some(n) => n,
                 None => match tap.read_frame(rx_buf) {
                     Ok(n) if n >= rx_buf.len() => {
-                        tracing::debug!("virtio-net: TAP {}: frame too large", tap.name());
+                        crate::debug_limited!("virtio-net: TAP {}: frame too large", tap.name());
                         metrics.rx_dropped += 1;
                         continue;
                     }
@@ -543,7 +543,7 @@ impl Net {
                     metrics.rx_bytes += (len - VNET_HDR_LEN) as u64;
                 }
                 Ok(rxtx::Delivery::TooBig) => {
-                    tracing::debug!(
+                    crate::debug_limited!(
                         "virtio-net: TAP {}: {len}-byte frame does not fit the guest's buffers",
                         tap.name()
                     );
@@ -581,7 +581,7 @@ impl Net {
         };
         match ops.modify(Events::new(&self.tap, set)) {
             Ok(()) => self.tap_watch = next,
-            Err(e) => tracing::error!(
+            Err(e) => crate::error_limited!(
                 "virtio-net: cannot change the epoll interest of TAP {}: {e:?}",
                 self.tap.name()
             ),
@@ -611,7 +611,7 @@ impl VirtioDevice for Net {
     }
 
     fn write_config(&mut self, offset: u64, _data: &[u8]) {
-        tracing::debug!("virtio-net: config write at {offset:#x} ignored");
+        crate::debug_limited!("virtio-net: config write at {offset:#x} ignored");
     }
 
     fn activate(
@@ -653,7 +653,7 @@ impl VirtioDevice for Net {
         self.acked = 0;
         // The TAP leaves the epoll interest set at its next event (see `update_tap_watch`).
         if let Err(e) = self.tap.set_offload(0) {
-            tracing::warn!("virtio-net: {e}");
+            crate::warn_limited!("virtio-net: {e}");
         }
     }
 

@@ -259,7 +259,7 @@ pub fn deliver_rx(
                 parts.push((head, w));
             }
             bad => {
-                tracing::debug!("virtio-net: bad receive chain {head}: {:?}", bad.err());
+                crate::debug_limited!("virtio-net: bad receive chain {head}: {:?}", bad.err());
                 for (h, _) in parts.drain(..) {
                     q.add_used(mem, h, 0)?;
                 }

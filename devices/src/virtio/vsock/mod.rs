@@ -348,12 +348,12 @@ impl Vsock {
     /// Asks the event loop to run `process` (for work requested from outside it).
     fn wake(&self) {
         if let Err(e) = self.kick.write(1) {
-            tracing::warn!("vsock: cannot wake the event loop: {e}");
+            crate::warn_limited!("vsock: cannot wake the event loop: {e}");
         }
     }
 
     fn mark_broken(&mut self, queue: usize, e: &virtio_queue::Error) {
-        tracing::warn!("vsock: queue {queue} is broken ({e}); device needs reset");
+        crate::warn_limited!("vsock: queue {queue} is broken ({e}); device needs reset");
         self.broken = true;
         if let Some(a) = &self.active {
             a.interrupt.trigger(interrupt_cause::CONFIG);
@@ -383,7 +383,7 @@ impl Vsock {
             let head = chain.head_index();
             let parsed = parse_tx(mem, chain, self.muxer.guest_cid, &mut self.scratch);
             if let Err(e) = active.queues[TX_QUEUE].add_used(mem, head, 0) {
-                tracing::warn!("vsock: cannot complete tx chain {head}: {e}");
+                crate::warn_limited!("vsock: cannot complete tx chain {head}: {e}");
             }
             self.notify[TX_QUEUE] = true;
             let m = &mut self.muxer.metrics;
@@ -459,7 +459,7 @@ impl Vsock {
                 _ => self.muxer.metrics.malformed += 1,
             }
             if let Err(e) = active.queues[RX_QUEUE].add_used(mem, head, used) {
-                tracing::warn!("vsock: cannot complete rx chain {head}: {e}");
+                crate::warn_limited!("vsock: cannot complete rx chain {head}: {e}");
             }
             self.notify[RX_QUEUE] = true;
         }
@@ -499,7 +499,7 @@ impl Vsock {
                 0
             };
             if let Err(e) = active.queues[EVENT_QUEUE].add_used(mem, head, used) {
-                tracing::warn!("vsock: cannot complete event chain {head}: {e}");
+                crate::warn_limited!("vsock: cannot complete event chain {head}: {e}");
             }
             self.notify[EVENT_QUEUE] = true;
         }
@@ -526,7 +526,7 @@ impl Vsock {
         if self.muxer.timer_wanted && !self.timer_armed {
             match self.timer.reset(TICK, Some(TICK)) {
                 Ok(()) => self.timer_armed = true,
-                Err(e) => tracing::warn!("vsock: cannot arm the timer: {e}"),
+                Err(e) => crate::warn_limited!("vsock: cannot arm the timer: {e}"),
             }
         }
         self.muxer.timer_wanted = false;
@@ -621,7 +621,7 @@ impl VirtioDevice for Vsock {
     }
 
     fn write_config(&mut self, offset: u64, _data: &[u8]) {
-        tracing::debug!("vsock: config write at {offset:#x} ignored");
+        crate::debug_limited!("vsock: config write at {offset:#x} ignored");
     }
 
     fn activate(

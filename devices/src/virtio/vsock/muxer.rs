@@ -212,7 +212,7 @@ impl Muxer {
             }
             Verdict::Close | Verdict::Reset(_) => {
                 if let Verdict::Reset(cause) = v {
-                    tracing::debug!("vsock: resetting connection {key:?}: {cause:?}");
+                    crate::debug_limited!("vsock: resetting connection {key:?}: {cause:?}");
                     if cause == ResetCause::CreditViolation {
                         self.metrics.credit_violations += 1;
                     }
@@ -271,7 +271,7 @@ impl Muxer {
 
     fn guest_connect(&mut self, key: ConnKey, req: &Header) {
         if self.conns.len() >= MAX_CONNECTIONS {
-            tracing::warn!(
+            crate::warn_limited!(
                 "vsock: connection limit reached; refusing guest port {}",
                 req.src_port
             );
@@ -290,7 +290,7 @@ impl Muxer {
                 self.settle(key, Verdict::Keep);
             }
             Err(e) => {
-                tracing::debug!("vsock: guest connect to {}: {e}", path.display());
+                crate::debug_limited!("vsock: guest connect to {}: {e}", path.display());
                 self.metrics.connect_failures += 1;
                 self.queue_ctl(req.reset_reply());
             }
@@ -316,7 +316,7 @@ impl Muxer {
                 }
                 Err(e) => {
                     // EMFILE, ENOBUFS, ...: out of resources. Pause until the next tick.
-                    tracing::warn!("vsock: accept on {}: {e}", self.uds_path.display());
+                    crate::warn_limited!("vsock: accept on {}: {e}", self.uds_path.display());
                     self.listener_paused = true;
                     self.timer_wanted = true;
                     return;
@@ -370,7 +370,9 @@ impl Muxer {
             ConnectLine::Incomplete if !eof => {}
             ConnectLine::Connect { port, consumed } if !eof => {
                 if !active || self.conns.len() >= MAX_CONNECTIONS {
-                    tracing::debug!("vsock: host CONNECT {port} refused (device inactive or full)");
+                    crate::debug_limited!(
+                        "vsock: host CONNECT {port} refused (device inactive or full)"
+                    );
                     self.close_handshake(fd);
                     return;
                 }
@@ -549,7 +551,7 @@ impl Muxer {
             };
             match r {
                 Ok(()) => self.listener_registered = Some(want),
-                Err(e) => tracing::error!("vsock: cannot watch the listening socket: {e:?}"),
+                Err(e) => crate::error_limited!("vsock: cannot watch the listening socket: {e:?}"),
             }
         }
         let mut failed = Vec::new();
@@ -584,7 +586,7 @@ impl Muxer {
             match r {
                 Ok(()) => c.registered = want,
                 Err(e) => {
-                    tracing::warn!("vsock: epoll update for {key:?} failed: {e:?}");
+                    crate::warn_limited!("vsock: epoll update for {key:?} failed: {e:?}");
                     broken.push(key);
                 }
             }

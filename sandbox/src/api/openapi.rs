@@ -1,0 +1,110 @@
+//! The OpenAPI 3 document, generated from the handlers' `#[utoipa::path]` annotations and
+//! the request/response types' schemas. Every route of [`super::router`] is in it (a test
+//! checks both ways).
+
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+use super::routes;
+use super::types::*;
+use crate::runtime::{
+    ArtifactInfo, AuditRecord, CreateRequest, ForkRequest, Network, OnTimeout, Resources,
+    SandboxInfo, SnapshotInfo, SnapshotRequest, State, Transition,
+};
+
+/// The document.
+#[derive(Debug, OpenApi)]
+#[openapi(
+    info(
+        title = "ember",
+        description = "KVM microVM sandboxes for running AI agents' code: the native API of \
+                       `ember serve`. Authenticate with `Authorization: Bearer <token>` (the \
+                       token is in `$EMBER_HOME/token`). Errors are \
+                       `{\"error\":{\"code\",\"message\"}}`. See docs/api.md."
+    ),
+    paths(
+        routes::healthz,
+        routes::openapi,
+        routes::metrics,
+        routes::list_templates,
+        routes::build_template,
+        routes::create,
+        routes::list_sandboxes,
+        routes::get_sandbox,
+        routes::kill,
+        routes::pause,
+        routes::resume,
+        routes::set_timeout,
+        routes::history,
+        routes::fork,
+        routes::snapshot,
+        routes::list_snapshots,
+        routes::delete_snapshot,
+        routes::list_contexts,
+        routes::create_context,
+        routes::restart_context,
+        routes::remove_context,
+        routes::interrupt,
+        routes::run_code,
+        routes::exec,
+        routes::upload,
+        routes::download,
+        routes::list_files,
+        routes::stat,
+        routes::mkdir,
+        routes::remove,
+        routes::rename,
+        routes::list_artifacts,
+        routes::collect_artifacts,
+        routes::get_artifact,
+        routes::sandbox_audit,
+        routes::audit,
+    ),
+    components(schemas(
+        ErrorBody, ErrorDetail, OkBody, StreamLine, TemplateSummary, VmShapeInfo, BuildBody,
+        CreateRequest, SandboxInfo, State, OnTimeout, Network, Resources, Transition,
+        TimeoutBody, ForkRequest, SnapshotRequest, SnapshotInfo, ContextBody, ContextOut,
+        RunCodeBody, ExecBody, ExecUserBody, EntryOut, StatOut, WrittenOut, MkdirBody,
+        RenameBody, ArtifactInfo, AuditRecord,
+    )),
+    modifiers(&BearerAuth),
+    security(("bearer" = [])),
+    tags(
+        (name = "server", description = "Health, metrics, this document"),
+        (name = "templates", description = "Warm snapshots sandboxes start from"),
+        (name = "sandboxes", description = "Lifecycle"),
+        (name = "snapshots", description = "Durable named snapshots"),
+        (name = "contexts", description = "Code contexts (interpreters) in a sandbox"),
+        (name = "code", description = "Running code and programs (NDJSON streams)"),
+        (name = "files", description = "Guest files"),
+        (name = "artifacts", description = "Files copied out of the outputs directory"),
+        (name = "audit", description = "The audit log"),
+    )
+)]
+pub struct ApiDoc;
+
+/// Adds the `bearer` security scheme.
+#[derive(Debug)]
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        let components = doc.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .description(Some("The token in $EMBER_HOME/token"))
+                    .build(),
+            ),
+        );
+    }
+}
+
+/// The document as JSON.
+pub fn json() -> String {
+    ApiDoc::openapi()
+        .to_pretty_json()
+        .unwrap_or_else(|e| format!("{{\"error\":\"cannot render the OpenAPI document: {e}\"}}"))
+}

@@ -1,0 +1,138 @@
+//! `ember serve`: the sandbox server (native HTTP API over the runtime).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use ember_sandbox::api::{ServeOptions, Server};
+use ember_sandbox::{Runtime, RuntimeConfig};
+
+use super::fail;
+
+/// `ember serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Address to listen on. Anything but loopback exposes the API to the network (the
+    /// bearer token still guards it; there is no TLS).
+    #[arg(long, env = "EMBER_LISTEN", default_value = "127.0.0.1:7070")]
+    pub listen: SocketAddr,
+    /// The bearer token's file (default `$EMBER_HOME/token`; created, mode 0600, if absent).
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+    /// Most sandboxes with a VMM at once.
+    #[arg(long)]
+    pub max_running: Option<usize>,
+    /// Most guest memory committed by running sandboxes, MiB (default 4× host RAM).
+    #[arg(long)]
+    pub max_memory_mib: Option<u64>,
+    /// Timeout of a sandbox when create gives none, seconds (default 300).
+    #[arg(long, value_name = "SECS")]
+    pub default_timeout: Option<u64>,
+    /// Longest timeout and lifetime accepted, seconds (default 86400).
+    #[arg(long, value_name = "SECS")]
+    pub max_lifetime: Option<u64>,
+    /// Largest file upload, MiB (default 4096).
+    #[arg(long, value_name = "MIB")]
+    pub max_upload_mib: Option<u64>,
+    /// Highest CPU quota a create may ask for, percent of one CPU (default: no cap).
+    #[arg(long)]
+    pub max_cpu_percent: Option<u32>,
+    /// After SIGINT/SIGTERM, how long open streams may go on, seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 10)]
+    pub shutdown_grace: u64,
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Runs `ember serve`.
+pub fn main(a: ServeArgs) -> ExitCode {
+    init_logging();
+    let mut cfg = RuntimeConfig::from_env();
+    if let Some(n) = a.max_running {
+        cfg.max_running = n;
+    }
+    if let Some(m) = a.max_memory_mib {
+        cfg.max_committed_memory_mib = m;
+    }
+    if let Some(s) = a.default_timeout {
+        cfg.default_timeout = Duration::from_secs(s);
+    }
+    if let Some(s) = a.max_lifetime {
+        cfg.max_lifetime = Duration::from_secs(s);
+    }
+    if let Some(m) = a.max_upload_mib {
+        cfg.max_upload_bytes = m << 20;
+    }
+    if a.max_cpu_percent.is_some() {
+        cfg.max_cpu_percent = a.max_cpu_percent;
+    }
+    cfg.kill_on_drop = false;
+    if cfg.default_timeout > cfg.max_lifetime {
+        return fail("--default-timeout is longer than --max-lifetime");
+    }
+    let opts = ServeOptions {
+        listen: a.listen,
+        token_file: a.token_file.unwrap_or_else(|| cfg.home.join("token")),
+        shutdown_grace: Duration::from_secs(a.shutdown_grace),
+    };
+    if !a.listen.ip().is_loopback() {
+        tracing::warn!(
+            "listening on {}: the API is reachable from the network, guarded only by the \
+             bearer token and without TLS",
+            a.listen
+        );
+    }
+    let home = cfg.home.clone();
+    let tokio = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("ember-serve")
+        .build()
+    {
+        Ok(t) => t,
+        Err(e) => return fail(format!("cannot start the async runtime: {e}")),
+    };
+    // Bind first: a busy port fails before the runtime touches any sandbox.
+    let token_file = opts.token_file.clone();
+    let server = match tokio.block_on(Server::bind(opts)) {
+        Ok(s) => s,
+        Err(e) => return fail(e),
+    };
+    let rt = match Runtime::open(cfg) {
+        Ok(rt) => rt,
+        Err(e) => {
+            return fail(format!(
+                "cannot open the runtime in {}: {e}",
+                home.display()
+            ))
+        }
+    };
+    let addr = server.local_addr();
+    eprintln!(
+        "ember: serving on http://{addr} (state in {}; bearer token in {})",
+        home.display(),
+        token_file.display()
+    );
+    eprintln!(
+        "ember: try `EMBER_URL=http://{addr} ember sandbox create`; Ctrl-C stops the server \
+         and leaves the sandboxes running"
+    );
+    let result = tokio.block_on(server.run(Arc::new(rt)));
+    // Blocking calls still running (a guest that does not answer) must not keep the
+    // process alive: their sandboxes are re-attached at the next start.
+    tokio.shutdown_timeout(Duration::from_secs(5));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(e),
+    }
+}
