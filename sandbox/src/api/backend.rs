@@ -62,6 +62,7 @@ pub trait Backend: Send + Sync + 'static {
     fn context_restart(&self, id: &str, context: &str) -> Result<(), RuntimeError>;
     fn context_remove(&self, id: &str, context: &str) -> Result<(), RuntimeError>;
     fn interrupt(&self, id: &str, context: &str) -> Result<(), RuntimeError>;
+    fn process_signal(&self, id: &str, pid: i32, signal: i32) -> Result<(), RuntimeError>;
     fn run_code(
         &self,
         id: &str,
@@ -180,6 +181,9 @@ impl Backend for Runtime {
     }
     fn interrupt(&self, id: &str, context: &str) -> Result<(), RuntimeError> {
         Runtime::interrupt(self, id, context)
+    }
+    fn process_signal(&self, id: &str, pid: i32, signal: i32) -> Result<(), RuntimeError> {
+        Runtime::process_signal(self, id, pid, signal)
     }
     fn run_code(
         &self,

@@ -412,19 +412,35 @@ pub async fn exec(
     ApiJson(body): ApiJson<ExecBody>,
 ) -> Result<Response, ApiError> {
     let req = body.into_request()?;
-    let b = st.backend();
+    let (b, b2, id2) = (st.backend(), st.backend(), id.clone());
+    // A program that prints nothing gives no event whose send could fail: when the client
+    // goes away, kill its process group (its pid comes with the first event).
+    let pid = std::sync::Arc::new(std::sync::Mutex::new(None::<i32>));
+    let pid2 = pid.clone();
+    let on_abandon: stream::OnAbandon = Box::new(move || {
+        let p = *pid2.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = p {
+            if let Err(e) = b2.process_signal(&id2, p, libc::SIGKILL) {
+                tracing::info!("killing {id2}/{p} after the client left: {e}");
+            }
+        }
+    });
     Ok(stream::ndjson(
         move |emit| {
             let mut exit = None;
             let status = b.exec(&id, &req, &mut |ev| {
-                if let EventKind::Exit(s) = ev {
-                    exit = Some(*s);
+                match ev {
+                    EventKind::Exit(s) => exit = Some(*s),
+                    EventKind::Started { pid: p } => {
+                        *pid.lock().unwrap_or_else(|e| e.into_inner()) = Some(*p)
+                    }
+                    _ => {}
                 }
                 emit(line(ev))
             })?;
             Ok(serde_json::json!({"type": "end", "status": status, "exit": exit}))
         },
-        None,
+        Some(on_abandon),
     )
     .await)
 }

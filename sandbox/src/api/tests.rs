@@ -192,6 +192,11 @@ impl Backend for Fake {
     fn context_remove(&self, id: &str, _c: &str) -> Result<(), RuntimeError> {
         known(id)
     }
+    fn process_signal(&self, id: &str, _pid: i32, _signal: i32) -> Result<(), RuntimeError> {
+        known(id)?;
+        self.interrupted.store(true, Ordering::SeqCst);
+        Ok(())
+    }
     fn interrupt(&self, id: &str, c: &str) -> Result<(), RuntimeError> {
         known(id)?;
         *self.interrupted_context.lock().unwrap() = Some(c.to_string());

@@ -1,0 +1,437 @@
+//! `ember serve` end to end: the real server binary on loopback with its own `$EMBER_HOME`,
+//! real jailed VMs from the shipped templates, a real SQLite store; driven over HTTP with the
+//! crate's client and raw requests.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ember_sandbox::client::Client;
+use ember_sandbox::runtime::{CreateRequest, State};
+use ember_tests::{bin, decode_png, template};
+use serde_json::{json, Value};
+
+/// A running `ember serve`.
+struct Server {
+    child: Child,
+    url: String,
+    home: PathBuf,
+    args: Vec<String>,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Server {
+    fn start(home: &Path, args: &[&str]) -> Server {
+        let port = free_port();
+        let mut s = Server {
+            child: Command::new("true").spawn().unwrap(),
+            url: format!("http://127.0.0.1:{port}"),
+            home: home.to_path_buf(),
+            args: args.iter().map(|a| a.to_string()).collect(),
+        };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.home.join("serve.log"))
+            .unwrap();
+        let listen = self.url.trim_start_matches("http://").to_string();
+        self.child = Command::new(bin("ember"))
+            .args(["serve", "--listen", &listen])
+            .args(&self.args)
+            .env("EMBER_HOME", &self.home)
+            .env("EMBER_VMM", bin("ember-vmm"))
+            .env("EMBER_JAILER", bin("ember-jailer"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start ember serve");
+        let t0 = Instant::now();
+        loop {
+            if ureq::get(&format!("{}/healthz", self.url)).call().is_ok() {
+                return;
+            }
+            if let Ok(Some(st)) = self.child.try_wait() {
+                panic!("ember serve exited ({st}): {}", self.log());
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "server not up");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.home.join("serve.log")).unwrap_or_default()
+    }
+
+    fn token(&self) -> String {
+        std::fs::read_to_string(self.home.join("token"))
+            .unwrap()
+            .trim()
+            .to_string()
+    }
+
+    fn client(&self) -> Client {
+        Client::new(&self.url, Some(self.token()))
+    }
+
+    fn req(&self, method: &str, path: &str) -> ureq::Request {
+        ureq::request(method, &format!("{}{path}", self.url))
+            .set("authorization", &format!("Bearer {}", self.token()))
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Stops the server and kills what it left running (the runtime leaves sandboxes
+    /// running on purpose when the server stops).
+    fn shutdown(&mut self) {
+        if let Ok(list) = self.client().list(true, None, &Default::default()) {
+            for s in list.iter().filter(|s| !s.state.is_final()) {
+                let _ = self.client().kill(&s.id);
+            }
+        }
+        // SAFETY: kill(2) with the server's pid and SIGTERM.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn home() -> tempfile::TempDir {
+    template("default");
+    tempfile::Builder::new()
+        .prefix("ember-serve-test-")
+        .tempdir()
+        .unwrap()
+}
+
+/// Runs code through the API; returns (end line, every event).
+fn code(c: &Client, id: &str, src: &str) -> (Value, Vec<Value>) {
+    let mut events = Vec::new();
+    let end = c
+        .stream(
+            &format!("/v1/sandboxes/{id}/code"),
+            &json!({ "code": src }),
+            &mut |v| {
+                events.push(v.clone());
+                true
+            },
+        )
+        .unwrap_or_else(|e| panic!("code {src:?}: {e}"))
+        .expect("an end line");
+    assert_eq!(end["type"], "end", "{end} {events:?}");
+    (end, events)
+}
+
+fn result_text(events: &[Value]) -> Option<String> {
+    events
+        .iter()
+        .find(|e| e["type"] == "result")
+        .and_then(|e| e["data"]["text/plain"].as_str())
+        .map(str::to_owned)
+}
+
+/// The reference workflow through the HTTP API: a workbook goes in, `df` stays between calls,
+/// the chart is written to the outputs directory and is kept as an artifact after the
+/// sandbox is killed.
+#[test]
+fn excel_workflow_over_http_keeps_the_chart_as_an_artifact() {
+    template("python-data");
+    let home = home();
+    let srv = Server::start(home.path(), &[]);
+    let c = srv.client();
+    let sb = c
+        .create(&CreateRequest {
+            template: Some("python-data".into()),
+            metadata: [("task".to_string(), "excel".to_string())].into(),
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(sb.state, State::Running);
+    // The workbook: made in the guest, downloaded, uploaded under another name.
+    let (end, _) = code(
+        &c,
+        &sb.id,
+        "import openpyxl\nwb = openpyxl.Workbook(); ws = wb.active\n\
+         ws.append(['month', 'sales'])\n\
+         for i in range(1, 13): ws.append([i, 100 + 7 * i * i % 31])\n\
+         wb.save('/tmp/made.xlsx')",
+    );
+    assert_eq!(end["status"], "ok");
+    let mut xlsx = Vec::new();
+    c.download(&sb.id, "/tmp/made.xlsx", &mut xlsx).unwrap();
+    assert!(xlsx.starts_with(b"PK"), "not a zip/xlsx");
+    c.upload(
+        &sb.id,
+        "/workspace/data.xlsx",
+        &xlsx[..],
+        Some(xlsx.len() as u64),
+    )
+    .unwrap();
+    let (_, ev) = code(
+        &c,
+        &sb.id,
+        "import pandas as pd\ndf = pd.read_excel('/workspace/data.xlsx')\nlen(df)",
+    );
+    assert_eq!(result_text(&ev).as_deref(), Some("12"));
+    let (_, ev) = code(&c, &sb.id, "df.describe()");
+    let html = ev
+        .iter()
+        .find(|e| e["type"] == "result")
+        .and_then(|e| e["data"]["text/html"].as_str())
+        .expect("an HTML table");
+    assert!(html.contains("<table") && html.contains("sales"), "{html}");
+    let (_, ev) = code(
+        &c,
+        &sb.id,
+        "ax = df.plot(x='month', y='sales')\nax.figure.savefig('/workspace/outputs/chart.png')",
+    );
+    assert!(
+        ev.iter().any(|e| e["type"] == "display"),
+        "the figure is also displayed inline: {ev:?}"
+    );
+    let killed = c.kill(&sb.id).unwrap();
+    assert_eq!(killed.state, State::Stopped);
+    let arts = c.artifacts(&sb.id).unwrap();
+    assert!(arts.iter().any(|a| a.path == "chart.png"), "{arts:?}");
+    let mut png = Vec::new();
+    c.download_artifact(&sb.id, "chart.png", &mut png).unwrap();
+    let (w, h, colours) = decode_png(&png);
+    assert!(w > 100 && h > 100 && colours > 2, "{w}x{h} {colours}");
+    // The audit trail outlives the sandbox too.
+    let audit: Vec<Value> = c
+        .get(&format!("/v1/sandboxes/{}/audit", sb.id), &[])
+        .unwrap();
+    let calls: Vec<&str> = audit.iter().filter_map(|a| a["call"].as_str()).collect();
+    for want in ["create", "run_code", "file_read", "file_write", "kill"] {
+        assert!(calls.contains(&want), "{want} missing from {calls:?}");
+    }
+}
+
+#[test]
+fn bad_requests_get_the_documented_errors_and_the_openapi_lists_every_route() {
+    let home = home();
+    let srv = Server::start(home.path(), &["--max-upload-mib", "1"]);
+    let status_code = |r: Result<ureq::Response, ureq::Error>| -> (u16, Value) {
+        match r {
+            Ok(resp) => (resp.status(), resp.into_json().unwrap_or(Value::Null)),
+            Err(ureq::Error::Status(s, resp)) => (s, resp.into_json().unwrap_or(Value::Null)),
+            Err(e) => panic!("transport: {e}"),
+        }
+    };
+    let code_of = |v: &Value| v["error"]["code"].as_str().unwrap_or("").to_string();
+    // No token, a wrong token.
+    let (s, v) = status_code(ureq::get(&format!("{}/v1/sandboxes", srv.url)).call());
+    assert_eq!((s, code_of(&v).as_str()), (401, "unauthorized"), "{v}");
+    let (s, _) = status_code(
+        ureq::get(&format!("{}/v1/sandboxes", srv.url))
+            .set("authorization", "Bearer nope")
+            .call(),
+    );
+    assert_eq!(s, 401);
+    // Unknown sandbox.
+    let (s, v) = status_code(srv.req("GET", "/v1/sandboxes/0123456789abcdef").call());
+    assert_eq!((s, code_of(&v).as_str()), (404, "sandbox_not_found"), "{v}");
+    // Malformed JSON, wrong types, unknown fields.
+    for body in [
+        "{not json",
+        r#"{"timeout_secs": "soon"}"#,
+        r#"{"templat": "default"}"#,
+    ] {
+        let (s, v) = status_code(
+            srv.req("POST", "/v1/sandboxes")
+                .set("content-type", "application/json")
+                .send_string(body),
+        );
+        assert_eq!(
+            (s, code_of(&v).as_str()),
+            (400, "invalid_request"),
+            "{body}: {v}"
+        );
+    }
+    // Unknown template.
+    let (s, v) = status_code(
+        srv.req("POST", "/v1/sandboxes")
+            .send_json(json!({ "template": "no-such-thing" })),
+    );
+    assert_eq!(
+        (s, code_of(&v).as_str()),
+        (404, "template_not_found"),
+        "{v}"
+    );
+    // An upload over the limit, to a real sandbox.
+    let c = srv.client();
+    let sb = c.create(&CreateRequest::default()).unwrap();
+    let big = vec![7u8; 2 << 20];
+    let (s, v) = status_code(
+        srv.req(
+            "PUT",
+            &format!("/v1/sandboxes/{}/files?path=/tmp/big", sb.id),
+        )
+        .send_bytes(&big),
+    );
+    assert_eq!((s, code_of(&v).as_str()), (413, "body_too_large"), "{v}");
+    // A path outside the artifact store.
+    let (s, _) = status_code(
+        srv.req(
+            "GET",
+            &format!("/v1/sandboxes/{}/artifacts/..%2F..%2Fember.db", sb.id),
+        )
+        .call(),
+    );
+    assert!(s == 400 || s == 404, "{s}");
+    // The guest's own errors are 422 with the agent's code.
+    let (s, v) = status_code(
+        srv.req(
+            "GET",
+            &format!("/v1/sandboxes/{}/files/stat?path=/no/such/file", sb.id),
+        )
+        .call(),
+    );
+    assert_eq!((s, code_of(&v).as_str()), (422, "guest_not_found"), "{v}");
+    c.kill(&sb.id).unwrap();
+    // A call on a killed sandbox: 409.
+    let (s, v) = status_code(
+        srv.req("POST", &format!("/v1/sandboxes/{}/pause", sb.id))
+            .call(),
+    );
+    assert_eq!((s, code_of(&v).as_str()), (409, "wrong_state"), "{v}");
+
+    // The OpenAPI document: version 3, every route the server answers is in it.
+    let doc: Value = ureq::get(&format!("{}/openapi.json", srv.url))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    let paths = doc["paths"].as_object().unwrap();
+    for p in [
+        "/v1/sandboxes",
+        "/v1/sandboxes/{id}",
+        "/v1/sandboxes/{id}/code",
+        "/v1/sandboxes/{id}/exec",
+        "/v1/sandboxes/{id}/files",
+        "/v1/sandboxes/{id}/pause",
+        "/v1/sandboxes/{id}/resume",
+        "/v1/sandboxes/{id}/fork",
+        "/v1/sandboxes/{id}/snapshot",
+        "/v1/sandboxes/{id}/artifacts",
+        "/v1/audit",
+        "/v1/templates",
+        "/healthz",
+        "/metrics",
+    ] {
+        assert!(paths.contains_key(p), "{p} missing from the OpenAPI paths");
+    }
+    // Every $ref resolves.
+    let text = doc.to_string();
+    for r in text.split("\"$ref\":\"#/components/schemas/").skip(1) {
+        let name = r.split('"').next().unwrap();
+        assert!(
+            doc["components"]["schemas"].get(name).is_some(),
+            "dangling $ref {name}"
+        );
+    }
+    // Metrics in the Prometheus text format.
+    let mut m = String::new();
+    srv.req("GET", "/metrics")
+        .call()
+        .unwrap()
+        .into_reader()
+        .read_to_string(&mut m)
+        .unwrap();
+    assert!(m.contains("ember_creates_total 1"), "{m}");
+    assert!(m.contains("ember_sandboxes{state=\"stopped\"} 1"), "{m}");
+    assert!(m.contains("ember_create_duration_ms_bucket"), "{m}");
+}
+
+/// A client that hangs up mid-stream stops the work in the guest.
+#[test]
+fn a_client_that_goes_away_cancels_the_code() {
+    let home = home();
+    let srv = Server::start(home.path(), &[]);
+    let c = srv.client();
+    let sb = c.create(&CreateRequest::default()).unwrap();
+    let t0 = Instant::now();
+    // Hang up as soon as the code has started printing.
+    c.stream(
+        &format!("/v1/sandboxes/{}/code", sb.id),
+        &json!({ "code": "import time\nprint('started', flush=True)\ntime.sleep(600)\nprint('not reached')" }),
+        &mut |v| v["type"] != "stdout",
+    )
+    .unwrap();
+    // The context is free again: the next cell runs at once, not after the sleep.
+    let (end, ev) = code(&c, &sb.id, "'free'");
+    assert_eq!(end["status"], "ok");
+    assert_eq!(result_text(&ev).as_deref(), Some("'free'"));
+    assert!(t0.elapsed() < Duration::from_secs(120));
+    // The audit log says the call was cancelled (written when the abandoned call ends).
+    let t1 = Instant::now();
+    loop {
+        let audit: Vec<Value> = c
+            .get(&format!("/v1/sandboxes/{}/audit", sb.id), &[])
+            .unwrap();
+        if audit
+            .iter()
+            .any(|a| a["call"] == "run_code" && a["outcome"] == "cancelled")
+        {
+            break;
+        }
+        assert!(t1.elapsed() < Duration::from_secs(30), "{audit:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `kill -9` of the server: a new one re-attaches the running sandboxes (their state
+/// intact) and pause/resume still works on them.
+#[test]
+fn a_server_killed_with_sigkill_is_replaced_and_reattaches_its_sandboxes() {
+    let home = home();
+    let mut srv = Server::start(home.path(), &[]);
+    let c = srv.client();
+    let a = c.create(&CreateRequest::default()).unwrap();
+    let b = c.create(&CreateRequest::default()).unwrap();
+    code(&c, &a.id, "state = 'alpha'");
+    code(&c, &b.id, "state = 'beta'");
+    c.action::<Value>(&b.id, "pause").unwrap();
+    srv.kill9();
+    srv.spawn();
+    let c = srv.client();
+    assert_eq!(c.sandbox(&a.id).unwrap().state, State::Running);
+    assert_eq!(c.sandbox(&b.id).unwrap().state, State::Paused);
+    let (_, ev) = code(&c, &a.id, "state");
+    assert_eq!(result_text(&ev).as_deref(), Some("'alpha'"));
+    let (_, ev) = code(&c, &b.id, "state");
+    assert_eq!(result_text(&ev).as_deref(), Some("'beta'"));
+    c.action::<Value>(&a.id, "pause").unwrap();
+    c.action::<Value>(&a.id, "resume").unwrap();
+    let (_, ev) = code(&c, &a.id, "state");
+    assert_eq!(result_text(&ev).as_deref(), Some("'alpha'"));
+    let history = c.history(&a.id).unwrap();
+    assert!(
+        history
+            .iter()
+            .any(|t| t.reason.as_deref() == Some("re-attached after a server restart")),
+        "{history:?}"
+    );
+}
