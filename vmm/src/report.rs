@@ -46,14 +46,30 @@ impl StartTime {
 /// A shared, cloneable writer of JSON-lines events (a no-op without a file).
 #[derive(Debug, Clone, Default)]
 pub struct Reporter {
-    file: Option<Arc<Mutex<File>>>,
+    file: Option<Arc<Mutex<ReportFile>>>,
+}
+
+/// Most bytes a report file may hold: events a guest can cause (boot-marker writes) must not
+/// fill the host's disk. Past it, one `report_truncated` line is written and later events are
+/// counted, not written.
+pub const REPORT_MAX_BYTES: u64 = 4 << 20;
+
+#[derive(Debug)]
+struct ReportFile {
+    file: File,
+    written: u64,
+    dropped: u64,
 }
 
 impl Reporter {
     /// Reports to `path` (created or truncated).
     pub fn to_file(path: &Path) -> std::io::Result<Self> {
         Ok(Self {
-            file: Some(Arc::new(Mutex::new(File::create(path)?))),
+            file: Some(Arc::new(Mutex::new(ReportFile {
+                file: File::create(path)?,
+                written: 0,
+                dropped: 0,
+            }))),
         })
     }
 
@@ -67,14 +83,48 @@ impl Reporter {
             let mut line = body.to_string();
             line.push('\n');
             let mut f = f.lock().unwrap_or_else(|p| p.into_inner());
-            let _ = f.write_all(line.as_bytes());
+            write_capped(&mut f, &line, REPORT_MAX_BYTES);
         }
+    }
+}
+
+fn write_capped(f: &mut ReportFile, line: &str, limit: u64) {
+    if f.dropped > 0 || f.written + line.len() as u64 > limit {
+        if f.dropped == 0 {
+            let note = format!(
+                "{{\"event\":\"report_truncated\",\"limit_bytes\":{limit}}}\n"
+            );
+            let _ = f.file.write_all(note.as_bytes());
+        }
+        f.dropped += 1;
+        return;
+    }
+    if f.file.write_all(line.as_bytes()).is_ok() {
+        f.written += line.len() as u64;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_report_stops_at_its_cap_with_one_truncation_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("r.jsonl");
+        let mut f = ReportFile {
+            file: File::create(&p).unwrap(),
+            written: 0,
+            dropped: 0,
+        };
+        for _ in 0..1000 {
+            write_capped(&mut f, "{\"event\":\"boot_marker\"}\n", 100);
+        }
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert!(text.len() < 200, "{}", text.len());
+        assert_eq!(text.matches("report_truncated").count(), 1);
+        assert_eq!(f.dropped, 1000 - 4);
+    }
 
     #[test]
     fn writes_json_lines() {
