@@ -122,13 +122,7 @@ fn state_survives_calls_and_a_pause_and_resume() {
 #[test]
 fn timeout_kills_and_keeps_artifacts_and_audit() {
     let (home, rt) = runtime();
-    let id = create(
-        &rt,
-        CreateRequest {
-            timeout_secs: Some(4),
-            ..Default::default()
-        },
-    );
+    let id = create(&rt, CreateRequest::default());
     let (st, _, _) = code(
         &rt,
         &id,
@@ -137,6 +131,9 @@ fn timeout_kills_and_keeps_artifacts_and_audit() {
          open('/workspace/outputs/sub/b.csv', 'w').write('a,b\\n1,2\\n')",
     );
     assert_eq!(st, EndStatus::Ok);
+    // The timeout, shortened now that the work is done (a loaded machine may take seconds
+    // for the cell itself).
+    rt.set_timeout(&id, 1, None).unwrap();
     wait_state(&rt, &id, State::Stopped, Duration::from_secs(60));
     let info = rt.get(&id).unwrap();
     assert_eq!(info.reason.as_deref(), Some("timeout"), "{info:?}");
@@ -149,12 +146,21 @@ fn timeout_kills_and_keeps_artifacts_and_audit() {
     let p = rt.artifact_path(&id, "result.txt").unwrap();
     assert_eq!(std::fs::read_to_string(p).unwrap(), "forty-two");
     assert!(rt.artifact_path(&id, "../ember.db").is_err());
-    let audit = rt
-        .audit(&AuditFilter {
-            sandbox: Some(id.clone()),
-            ..Default::default()
-        })
-        .unwrap();
+    // The expiry's own record is written when its kill returns, just after the state changed.
+    let t0 = Instant::now();
+    let audit = loop {
+        let audit = rt
+            .audit(&AuditFilter {
+                sandbox: Some(id.clone()),
+                ..Default::default()
+            })
+            .unwrap();
+        if audit.iter().any(|a| a.call == "timeout_kill") || t0.elapsed() > Duration::from_secs(10)
+        {
+            break audit;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     let calls: Vec<&str> = audit.iter().map(|a| a.call.as_str()).collect();
     assert!(
         calls.contains(&"create") && calls.contains(&"run_code") && calls.contains(&"timeout_kill"),
@@ -179,12 +185,12 @@ fn timeout_can_pause_instead() {
     let id = create(
         &rt,
         CreateRequest {
-            timeout_secs: Some(3),
             on_timeout: OnTimeout::Pause,
             ..Default::default()
         },
     );
     code(&rt, &id, "kept = 'yes'");
+    rt.set_timeout(&id, 1, None).unwrap();
     wait_state(&rt, &id, State::Paused, Duration::from_secs(60));
     assert_eq!(rt.get(&id).unwrap().reason.as_deref(), Some("timeout"));
     rt.set_timeout(&id, 600, None).unwrap();

@@ -48,7 +48,10 @@ fn count_tree(p: &Path) -> usize {
     n
 }
 
-fn vmm_processes() -> usize {
+/// VMM processes in this runtime's cgroups (other runtimes on the host do not count).
+fn vmm_processes(rt: &ember_sandbox::Runtime) -> usize {
+    let parent = rt.config().cgroup_parent();
+    let parent = format!("/{}/", parent.display());
     std::fs::read_dir("/proc")
         .unwrap()
         .flatten()
@@ -56,6 +59,9 @@ fn vmm_processes() -> usize {
             std::fs::read_to_string(e.path().join("comm"))
                 .map(|c| c.trim() == "ember-vmm")
                 .unwrap_or(false)
+                && std::fs::read_to_string(e.path().join("cgroup"))
+                    .map(|c| c.contains(&parent))
+                    .unwrap_or(false)
         })
         .count()
 }
@@ -76,7 +82,7 @@ fn held(rt: &ember_sandbox::Runtime) -> Held {
         jails: count_dir(&cfg.jails_dir()),
         // The database and its WAL grow with records; count the rest.
         home_files: count_tree(&home.join("sandboxes")) + count_tree(&home.join("jails")),
-        vmms: vmm_processes(),
+        vmms: vmm_processes(rt),
         threads: count_dir(Path::new("/proc/self/task")),
     }
 }

@@ -282,15 +282,27 @@ fn bad_requests_get_the_documented_errors_and_the_openapi_lists_every_route() {
     // An upload over the limit, to a real sandbox.
     let c = srv.client();
     let sb = c.create(&CreateRequest::default()).unwrap();
-    let big = vec![7u8; 2 << 20];
-    let (s, v) = status_code(
-        srv.req(
-            "PUT",
-            &format!("/v1/sandboxes/{}/files?path=/tmp/big", sb.id),
+    // The client announces 2 MiB and waits for `100 Continue`: the server refuses at once.
+    {
+        use std::io::Write;
+        let token = srv.token();
+        let addr = srv.url.trim_start_matches("http://").to_string();
+        let mut tcp = std::net::TcpStream::connect(&addr).unwrap();
+        tcp.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        write!(
+            tcp,
+            "PUT /v1/sandboxes/{}/files?path=/tmp/big HTTP/1.1\r\nHost: {addr}\r\n\
+             Authorization: Bearer {token}\r\nContent-Length: {}\r\n\
+             Expect: 100-continue\r\nConnection: close\r\n\r\n",
+            sb.id,
+            2u64 << 20
         )
-        .send_bytes(&big),
-    );
-    assert_eq!((s, code_of(&v).as_str()), (413, "body_too_large"), "{v}");
+        .unwrap();
+        let mut resp = String::new();
+        let _ = tcp.read_to_string(&mut resp);
+        assert!(resp.starts_with("HTTP/1.1 413"), "{resp}");
+        assert!(resp.contains("body_too_large"), "{resp}");
+    }
     // A path outside the artifact store.
     let (s, _) = status_code(
         srv.req(

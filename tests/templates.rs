@@ -96,3 +96,78 @@ fn unchanged_is_a_no_op_and_a_changed_recipe_rebuilds() {
     // The default template is untouched by removing another.
     Template::open("default").expect("default still there");
 }
+
+/// A template's snapshot is taken without a jail; `ember vm restore --jail` re-maps its host
+/// paths (the overlay's base image, the vsock socket) into the jail and the guest runs there.
+#[test]
+fn a_template_snapshot_restores_inside_a_jail() {
+    let t = template("default");
+    let base = tempfile::tempdir().unwrap();
+    let sock = base.path().join("api.sock");
+    let jails = base.path().join("jails");
+    let mut child = std::process::Command::new(bin("ember"))
+        .args([
+            "vm",
+            "restore",
+            "--jail",
+            "--jail-uid",
+            "10124",
+            "--jail-gid",
+            "10124",
+        ])
+        .arg("--jail-base")
+        .arg(&jails)
+        .arg("--snapshot")
+        .arg(t.snapshot_dir())
+        .arg("--api-sock")
+        .arg(&sock)
+        .args(["--timeout", "120"])
+        .env("EMBER_VMM", bin("ember-vmm"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let stats = loop {
+        let out = std::process::Command::new(bin("ember"))
+            .args(["vm", "stats", "--api-sock"])
+            .arg(&sock)
+            .output()
+            .unwrap();
+        if out.status.success() {
+            break String::from_utf8_lossy(&out.stdout).into_owned();
+        }
+        if let Ok(Some(st)) = child.try_wait() {
+            let mut err = String::new();
+            use std::io::Read;
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            panic!("jailed restore exited ({st}): {err}");
+        }
+        assert!(t0.elapsed().as_secs() < 60, "no control socket");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert!(stats.contains("vcpu") || stats.contains("exits"), "{stats}");
+    let out = std::process::Command::new(bin("ember"))
+        .args(["vm", "shutdown", "--api-sock"])
+        .arg(&sock)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("jailed as"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(&jails)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "jail dirs left behind: {left:?}");
+}

@@ -344,6 +344,8 @@ impl Sandbox {
         // A restored guest also handles the vsock transport reset the device sends it on
         // restore: a connection that races with it is reset (handshake refused, or closed
         // before `sync` is answered). Both are retried until the deadline.
+        // Each refused attempt costs the guest kernel work (slow on kvm_pvm): back off.
+        let mut backoff = Duration::from_millis(1);
         let client = loop {
             let left = connect_timeout.saturating_sub(t0.elapsed());
             let attempt =
@@ -359,7 +361,8 @@ impl Sandbox {
                             message,
                         });
                     }
-                    std::thread::sleep(Duration::from_micros(500));
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_millis(50));
                 }
                 Err((call, source)) => return Err(sandbox.agent_err(call, source)),
             }

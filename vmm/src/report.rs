@@ -91,9 +91,7 @@ impl Reporter {
 fn write_capped(f: &mut ReportFile, line: &str, limit: u64) {
     if f.dropped > 0 || f.written + line.len() as u64 > limit {
         if f.dropped == 0 {
-            let note = format!(
-                "{{\"event\":\"report_truncated\",\"limit_bytes\":{limit}}}\n"
-            );
+            let note = format!("{{\"event\":\"report_truncated\",\"limit_bytes\":{limit}}}\n");
             let _ = f.file.write_all(note.as_bytes());
         }
         f.dropped += 1;

@@ -99,7 +99,7 @@ impl RuntimeConfig {
             default_call_timeout: Duration::from_secs(3600),
             default_output_cap: 16 << 20,
             log_max_bytes: 1 << 20,
-            connect_timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(120),
             kill_on_drop: false,
         }
     }

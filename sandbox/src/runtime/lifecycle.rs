@@ -884,19 +884,26 @@ impl Runtime {
     /// Starts the timer thread: timeouts, max lifetimes, paused retention, record retention.
     pub(super) fn start_timer(&self) -> Result<(), RuntimeError> {
         let weak = Arc::downgrade(&self.inner);
+        let timer = self.inner.timer.clone();
         std::thread::Builder::new()
             .name("ember-timer".into())
             .spawn(move || {
                 let mut last_purge = Instant::now() - Duration::from_secs(3600);
                 loop {
-                    let Some(inner) = weak.upgrade() else { return };
-                    let rt = Runtime { inner };
-                    let next = rt.tick();
-                    if last_purge.elapsed() > Duration::from_secs(600) {
-                        last_purge = Instant::now();
-                        rt.purge_expired_records();
-                    }
-                    let (m, cv) = &rt.inner.timer;
+                    // The runtime is held only for the pass, never while waiting: when its
+                    // last user drops it, it goes (and kills its sandboxes if so configured)
+                    // at once, not at the next tick — nor never, if the process exits first.
+                    let next = {
+                        let Some(inner) = weak.upgrade() else { return };
+                        let rt = Runtime { inner };
+                        let next = rt.tick();
+                        if last_purge.elapsed() > Duration::from_secs(600) {
+                            last_purge = Instant::now();
+                            rt.purge_expired_records();
+                        }
+                        next
+                    };
+                    let (m, cv) = &*timer;
                     let mut woken = lock(m);
                     if !*woken {
                         woken = cv

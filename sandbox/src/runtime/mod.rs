@@ -52,7 +52,7 @@ struct Inner {
     uids: Mutex<BTreeSet<u32>>,
     metrics: Mutex<Metrics>,
     watcher: Mutex<Option<Arc<Watcher>>>,
-    timer: (Mutex<bool>, Condvar),
+    timer: Arc<(Mutex<bool>, Condvar)>,
 }
 
 /// One sandbox with a VMM or a pause snapshot.
@@ -120,7 +120,7 @@ impl Runtime {
                 uids: Mutex::new(BTreeSet::new()),
                 metrics: Mutex::new(Metrics::default()),
                 watcher: Mutex::new(None),
-                timer: (Mutex::new(false), Condvar::new()),
+                timer: Arc::new((Mutex::new(false), Condvar::new())),
             }),
         };
         let weak = Arc::downgrade(&rt.inner);
@@ -401,7 +401,7 @@ impl Runtime {
     }
 
     fn wake_timer(&self) {
-        let (m, cv) = &self.inner.timer;
+        let (m, cv) = &*self.inner.timer;
         *lock(m) = true;
         cv.notify_all();
     }
