@@ -439,6 +439,16 @@ fn a_server_killed_with_sigkill_is_replaced_and_reattaches_its_sandboxes() {
     c.action::<Value>(&a.id, "resume").unwrap();
     let (_, ev) = code(&c, &a.id, "state");
     assert_eq!(result_text(&ev).as_deref(), Some("'alpha'"));
+    // A graceful stop (SIGTERM) leaves the sandboxes running too.
+    // SAFETY: kill(2) with the server's pid and SIGTERM.
+    unsafe { libc::kill(srv.child.id() as i32, libc::SIGTERM) };
+    let st = srv.child.wait().unwrap();
+    assert!(st.success(), "ember serve exited {st}: {}", srv.log());
+    srv.spawn();
+    let c = srv.client();
+    assert_eq!(c.sandbox(&a.id).unwrap().state, State::Running);
+    let (_, ev) = code(&c, &a.id, "state");
+    assert_eq!(result_text(&ev).as_deref(), Some("'alpha'"));
     let history = c.history(&a.id).unwrap();
     assert!(
         history

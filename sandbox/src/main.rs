@@ -142,6 +142,9 @@ enum BenchCmd {
     /// Code interpreter: bare restore → ping vs restore → first `run_code` result, `run_code`
     /// round trip, guest page faults per call.
     Sandbox(cli::bench_sandbox::BenchSandboxArgs),
+    /// Runtime + HTTP server end to end: create → first result vs bare restore → ping,
+    /// run_code round trip vs the library in-process, creates/s, host memory per idle sandbox.
+    Api(cli::bench_api::BenchApiArgs),
 }
 
 #[derive(Debug, Args)]
@@ -937,6 +940,7 @@ fn main() -> ExitCode {
         Cmd::Bench(BenchCmd::Clones(a)) => bench_clones(a),
         Cmd::Bench(BenchCmd::Devices(a)) => bench_devices(a),
         Cmd::Bench(BenchCmd::Sandbox(a)) => cli::bench_sandbox::main(a),
+        Cmd::Bench(BenchCmd::Api(a)) => cli::bench_api::main(a),
         Cmd::Images { template } => {
             let k = images::default_kernel();
             let r = images::default_rootfs(&template);

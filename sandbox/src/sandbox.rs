@@ -184,6 +184,8 @@ pub struct Sandbox {
     child: Mutex<Option<Proc>>,
     pidfd: Option<OwnedFd>,
     pool: Mutex<Vec<AgentClient>>,
+    /// Leave the VMM running when the handle is dropped ([`Sandbox::detach`]).
+    detached: std::sync::atomic::AtomicBool,
     template: Option<String>,
     timings: CreateTimings,
     env: BTreeMap<String, String>,
@@ -333,6 +335,7 @@ impl Sandbox {
             child: Mutex::new(Some(Proc::Child(child))),
             pidfd,
             pool: Mutex::new(Vec::new()),
+            detached: std::sync::atomic::AtomicBool::new(false),
             template: None,
             timings: CreateTimings::default(),
             env: BTreeMap::new(),
@@ -397,6 +400,7 @@ impl Sandbox {
             child: Mutex::new(Some(Proc::Adopted { pid, pidfd })),
             pidfd: Some(watch),
             pool: Mutex::new(Vec::new()),
+            detached: std::sync::atomic::AtomicBool::new(false),
             template: None,
             timings: CreateTimings::default(),
             env: BTreeMap::new(),
@@ -408,6 +412,13 @@ impl Sandbox {
     pub fn set_template(&mut self, name: Option<String>, env: BTreeMap<String, String>) {
         self.template = name;
         self.env = env;
+    }
+
+    /// Leaves the VMM running when this handle is dropped (a server that stops while its
+    /// sandboxes live on, to be re-attached by the next one with [`Sandbox::adopt`]).
+    pub fn detach(&self) {
+        self.detached
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// A pidfd of the VMM process (readable once it exited), for event loops that watch many.
@@ -901,7 +912,9 @@ impl Sandbox {
 
 impl Drop for Sandbox {
     fn drop(&mut self) {
-        let _ = self.kill();
+        if !self.detached.load(std::sync::atomic::Ordering::Relaxed) {
+            let _ = self.kill();
+        }
     }
 }
 

@@ -473,7 +473,13 @@ impl Server {
             );
             notify.notify_one();
         };
-        let server = axum::serve(self.listener, app).with_graceful_shutdown(graceful);
+        // Nagle off: the last line of an NDJSON stream must not wait for the client's
+        // delayed ACK (36–55 ms per call on a kept-alive connection, measured).
+        use axum::serve::ListenerExt;
+        let listener = self.listener.tap_io(|s| {
+            let _ = s.set_nodelay(true);
+        });
+        let server = axum::serve(listener, app).with_graceful_shutdown(graceful);
         let grace = self.opts.shutdown_grace;
         tokio::select! {
             r = server => r.map_err(ServeError::Serve),

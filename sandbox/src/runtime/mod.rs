@@ -410,6 +410,12 @@ impl Runtime {
 impl Drop for Inner {
     fn drop(&mut self) {
         if !self.cfg.kill_on_drop {
+            // The VMMs live on (a stopped server); the next runtime re-attaches them.
+            for slot in lock(&self.slots).values() {
+                if let Some(vm) = &lock(&slot.st).vm {
+                    vm.sandbox.detach();
+                }
+            }
             return;
         }
         let slots: Vec<Arc<Slot>> = lock(&self.slots).values().cloned().collect();
