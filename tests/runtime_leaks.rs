@@ -66,7 +66,10 @@ fn vmm_processes(rt: &ember_sandbox::Runtime) -> usize {
         .count()
 }
 
+/// What the runtime holds, once the threads of earlier tests' runtimes have ended (their
+/// timer and watcher threads notice within a second).
 fn held(rt: &ember_sandbox::Runtime) -> Held {
+    std::thread::sleep(Duration::from_millis(1500));
     let cfg = rt.config();
     let home = &cfg.home;
     Held {

@@ -28,6 +28,8 @@ pub struct Live {
     pub sandbox: Sandbox,
     /// The jail it runs in.
     pub jail: JailConfig,
+    /// Its disks with host paths (what a snapshot of it records in [`DISKS_FILE`]).
+    pub disks: Vec<SnapshotDisk>,
 }
 
 impl Live {
@@ -201,6 +203,7 @@ pub fn start(
         Ok(sandbox) => Ok(Live {
             sandbox,
             jail: launch.config,
+            disks: spec.disks.to_vec(),
         }),
         Err(e) => {
             // Sandbox::launch killed what it started; the jail remains.
@@ -230,6 +233,7 @@ pub fn adopt(
     id: &str,
     jail_id: &str,
     pid: u32,
+    source: &Path,
 ) -> Result<Live, RuntimeError> {
     let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
     if !cgroup.contains(&format!("/{jail_id}")) {
@@ -245,7 +249,13 @@ pub fn adopt(
         log: cfg.sandbox_dir(id).join("launch.log"),
     };
     let sandbox = Sandbox::adopt(id.to_string(), pid as i32, paths)?;
-    Ok(Live { sandbox, jail })
+    // The disks it was restored with are those of the snapshot it came from.
+    let disks = snapshot_disks(source).unwrap_or_default();
+    Ok(Live {
+        sandbox,
+        jail,
+        disks,
+    })
 }
 
 fn cgroup_root() -> &'static Path {

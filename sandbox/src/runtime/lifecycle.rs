@@ -140,10 +140,23 @@ impl Runtime {
     fn create_inner(
         &self,
         req: &CreateRequest,
-        fork: Option<(&str, &Path)>,
+        fork: Option<(&SandboxRow, &Path)>,
     ) -> Result<SandboxInfo, RuntimeError> {
         let cfg = &self.inner.cfg;
-        let src = self.source(req)?;
+        // A fork continues its parent: same source, environment, outputs and shape.
+        let src = match fork {
+            Some((p, _)) => Source {
+                dir: p.source_dir.clone(),
+                template: p.template.clone(),
+                snapshot: p.snapshot.clone(),
+                env: p.env.clone(),
+                outputs: p.outputs.clone(),
+                vcpus: p.resources.vcpus,
+                memory_mib: p.resources.memory_mib,
+                disk_mib: p.resources.disk_mib,
+            },
+            None => self.source(req)?,
+        };
         if let Some(v) = req.vcpus.filter(|v| *v != src.vcpus) {
             return Err(RuntimeError::Invalid(format!(
                 "vcpus {v}: a restored VM keeps its snapshot's {} (build a template with `[vm] \
@@ -221,7 +234,7 @@ impl Runtime {
             id: id.clone(),
             template: src.template.clone(),
             snapshot: src.snapshot.clone(),
-            forked_from: fork.map(|(p, _)| p.to_string()),
+            forked_from: fork.map(|(p, _)| p.id.clone()),
             source_dir: src.dir.clone(),
             state: State::Creating,
             reason: None,
@@ -249,6 +262,7 @@ impl Runtime {
                 inflight: 0,
                 expected_exit: false,
                 expiring: false,
+                paused_ms: None,
             }),
             cv: Condvar::new(),
         });
@@ -294,19 +308,19 @@ impl Runtime {
         };
         let uid = self.alloc_uid()?;
         let jail_id = format!("{}-{}", row.id, &crate::paths::random_id()[..6]);
-        let started = jailed::snapshot_disks(&row.source_dir)
-            .or_else(|_| jailed::snapshot_disks(dir))
-            .and_then(|disks| {
-                let spec = StartSpec {
-                    id: &row.id,
-                    jail_id: &jail_id,
-                    uid,
-                    snapshot: dir,
-                    disks: &disks,
-                    limits: self.limits(&row.resources),
-                };
-                jailed::start(cfg, &self.inner.bins, &spec)
-            });
+        // A template's snapshot (taken on the host) holds host paths; the snapshots the
+        // runtime writes carry them in `ember-disks.json`.
+        let started = jailed::snapshot_disks(dir).and_then(|disks| {
+            let spec = StartSpec {
+                id: &row.id,
+                jail_id: &jail_id,
+                uid,
+                snapshot: dir,
+                disks: &disks,
+                limits: self.limits(&row.resources),
+            };
+            jailed::start(cfg, &self.inner.bins, &spec)
+        });
         let mut st = lock(&slot.st);
         match started {
             Ok(mut live) => {
@@ -606,8 +620,7 @@ impl Runtime {
             copy_dir(&host, dest)?;
             let _ = std::fs::remove_dir_all(&host);
         }
-        let disks = jailed::snapshot_disks(&row.source_dir)?;
-        jailed::write_disks(dest, &disks)?;
+        jailed::write_disks(dest, &vm.disks)?;
         let meta = SnapshotMeta {
             env: row.env.clone(),
             outputs: row.outputs.clone(),
@@ -871,14 +884,7 @@ impl Runtime {
         parent: &SandboxRow,
         dir: &Path,
     ) -> Result<SandboxInfo, RuntimeError> {
-        let info = self.create_inner(req, Some((&parent.id, dir)))?;
-        // The clone's env is the parent's (its contexts already carry it).
-        if let Ok(slot) = self.slot(&info.id) {
-            let mut st = lock(&slot.st);
-            st.row.env = parent.env.clone();
-            st.row.source_dir = parent.source_dir.clone();
-        }
-        Ok(info)
+        self.create_inner(req, Some((parent, dir)))
     }
 
     /// Starts the timer thread: timeouts, max lifetimes, paused retention, record retention.
@@ -944,18 +950,7 @@ impl Runtime {
                     }
                 }
                 State::Paused => {
-                    let paused_at = self
-                        .store()
-                        .transitions(&slot.id)
-                        .ok()
-                        .and_then(|h| h.last().map(|t| t.at.clone()))
-                        .and_then(|t| humantime::parse_rfc3339(&t).ok())
-                        .map(|t| {
-                            t.duration_since(std::time::UNIX_EPOCH)
-                                .map(|d| d.as_millis() as i64)
-                                .unwrap_or(0)
-                        })
-                        .unwrap_or(now);
+                    let paused_at = st.paused_ms.unwrap_or(now);
                     let expiry = paused_at + retention;
                     let lifetime = st.row.max_until_ms.unwrap_or(i64::MAX);
                     if expiry <= now {
@@ -1044,12 +1039,13 @@ impl Runtime {
                     inflight: 0,
                     expected_exit: false,
                     expiring: false,
+                    paused_ms: None,
                 }),
                 cv: Condvar::new(),
             });
             let adopted = match (row.state, &row.jail_id, row.pid) {
                 (State::Running | State::Pausing, Some(j), Some(pid)) => {
-                    jailed::adopt(cfg, bins, &id, j, pid).ok()
+                    jailed::adopt(cfg, bins, &id, j, pid, &row.source_dir).ok()
                 }
                 _ => None,
             };
@@ -1085,7 +1081,16 @@ impl Runtime {
                         );
                     }
                 }
-                (State::Paused, _) if row.pause_dir.as_ref().is_some_and(|d| d.is_dir()) => {}
+                (State::Paused, _) if row.pause_dir.as_ref().is_some_and(|d| d.is_dir()) => {
+                    st.paused_ms = self
+                        .store()
+                        .transitions(&id)
+                        .ok()
+                        .and_then(|h| h.last().map(|t| t.at.clone()))
+                        .and_then(|t| humantime::parse_rfc3339(&t).ok())
+                        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                        .map(|d| d.as_millis() as i64);
+                }
                 (State::Resuming, _) if row.pause_dir.as_ref().is_some_and(|d| d.is_dir()) => {
                     if let Some(j) = &row.jail_id {
                         jailed::kill_cgroup(cfg, j);

@@ -73,6 +73,8 @@ struct SlotState {
     expected_exit: bool,
     /// A timeout action is under way.
     expiring: bool,
+    /// When it was paused (ms), for the paused retention.
+    paused_ms: Option<i64>,
 }
 
 /// Counts a call in flight; decrements on drop.
@@ -162,6 +164,7 @@ impl Runtime {
     fn transition(&self, slot: &Slot, st: &mut SlotState, to: State, reason: Option<String>) {
         let from = st.row.state;
         st.row.state = to;
+        st.paused_ms = (to == State::Paused).then(crate::store::now_ms);
         st.row.reason = reason.clone();
         if to.is_final() {
             st.row.ended_ms = Some(crate::store::now_ms());
