@@ -455,19 +455,9 @@ impl Runtime {
 
     /// Kills a sandbox (its artifacts are copied out first).
     pub fn kill(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {
-        let at = now_ms();
-        let t0 = Instant::now();
-        let r = self.stop(id, "killed by request");
-        self.record(
-            at,
-            Some(id),
-            "kill",
-            &serde_json::json!({}),
-            t0.elapsed().as_secs_f64() * 1e3,
-            &r,
-            (0, 0),
-        );
-        r
+        self.timed(Some(id), "kill", serde_json::json!({}), || {
+            self.stop(id, "killed by request")
+        })
     }
 
     pub(super) fn stop(&self, id: &str, reason: &str) -> Result<SandboxInfo, RuntimeError> {
@@ -505,19 +495,9 @@ impl Runtime {
     /// `$EMBER_HOME/sandboxes/<id>/pause`, its VMM exits (memory freed). Calls in flight are
     /// waited for (30 s at most); calls that arrive meanwhile wait, then resume it.
     pub fn pause(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {
-        let at = now_ms();
-        let t0 = Instant::now();
-        let r = self.pause_inner(id, "paused by request");
-        self.record(
-            at,
-            Some(id),
-            "pause",
-            &serde_json::json!({}),
-            t0.elapsed().as_secs_f64() * 1e3,
-            &r,
-            (0, 0),
-        );
-        r
+        self.timed(Some(id), "pause", serde_json::json!({}), || {
+            self.pause_inner(id, "paused by request")
+        })
     }
 
     pub(super) fn pause_inner(&self, id: &str, reason: &str) -> Result<SandboxInfo, RuntimeError> {
@@ -634,19 +614,9 @@ impl Runtime {
 
     /// Resumes a paused sandbox (a no-op for a running one).
     pub fn resume(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {
-        let at = now_ms();
-        let t0 = Instant::now();
-        let r = self.resume_inner(id);
-        self.record(
-            at,
-            Some(id),
-            "resume",
-            &serde_json::json!({}),
-            t0.elapsed().as_secs_f64() * 1e3,
-            &r,
-            (0, 0),
-        );
-        r
+        self.timed(Some(id), "resume", serde_json::json!({}), || {
+            self.resume_inner(id)
+        })
     }
 
     fn resume_inner(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {

@@ -277,6 +277,22 @@ impl Runtime {
         e
     }
 
+    /// Runs `f` (a call that does not go through a VM, or manages one) and audits it.
+    fn timed<T>(
+        &self,
+        id: Option<&str>,
+        call: &str,
+        args: serde_json::Value,
+        f: impl FnOnce() -> Result<T, RuntimeError>,
+    ) -> Result<T, RuntimeError> {
+        let at = crate::store::now_ms();
+        let t0 = Instant::now();
+        let r = f();
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        self.record(at, id, call, &args, ms, &r, (0, 0));
+        r
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn record<T>(
         &self,
