@@ -19,6 +19,13 @@ pub const SERIAL_COM1_IRQ: u32 = 4;
 const IER_RDI: u8 = 1;
 /// LCR bit: divisor latch access (offsets 0 and 1 address the divisor).
 const LCR_DLAB: u8 = 0x80;
+/// MCR bit: data terminal ready (raised by the driver once a tty has the port open).
+const MCR_DTR: u8 = 0x01;
+/// MCR bit: loopback (the driver's probe uses it; input must not arrive then).
+const MCR_LOOP: u8 = 0x10;
+/// Offsets of IER and MCR.
+const OFF_IER: u8 = 1;
+const OFF_MCR: u8 = 4;
 
 /// Where guest console output goes.
 pub type SerialOut = Box<dyn Write + Send>;
@@ -78,14 +85,24 @@ impl Serial {
             .map_err(|e| std::io::Error::other(format!("serial input: {e:?}")))
     }
 
-    /// Room left in the receive FIFO, or 0 while the guest driver has the receive interrupt
-    /// off: the 8250 driver reads (and discards) a byte while it starts up, so input waits
-    /// until the port is open.
+    /// Room left in the receive FIFO, or 0 while no tty has the port open.
+    ///
+    /// The 8250 driver reads (and discards) receive bytes while it probes, starts up and shuts
+    /// down the port, and its probe briefly writes 0x0f to IER. Input therefore waits until the
+    /// port is open for real: receive interrupt on, DTR raised (the tty layer raises it after
+    /// start-up is complete) and not in loopback.
     pub fn input_capacity(&self) -> usize {
-        if self.inner.state().interrupt_enable & IER_RDI == 0 {
+        if !self.accepting_input() {
             return 0;
         }
         self.inner.fifo_capacity()
+    }
+
+    fn accepting_input(&self) -> bool {
+        let s = self.inner.state();
+        s.interrupt_enable & IER_RDI != 0
+            && s.modem_control & MCR_DTR != 0
+            && s.modem_control & MCR_LOOP == 0
     }
 
     /// Register-level state, for snapshots.
@@ -122,7 +139,7 @@ impl BusDevice for Serial {
             if let Err(e) = self.inner.write(off, *b) {
                 crate::warn_limited!("serial write at offset {off}: {e:?}");
             }
-            if off == 1 && !dlab && *b & IER_RDI != 0 {
+            if ((off == OFF_IER && !dlab) || off == OFF_MCR) && self.accepting_input() {
                 if let Some(e) = &self.input_ready {
                     let _ = e.write(1);
                 }
@@ -233,8 +250,9 @@ mod tests {
             s.write(0, &[*b]);
         }
         assert_eq!(&*sink.0.lock().unwrap(), b"hi");
-        // Enable the received-data interrupt, queue a byte, read it back.
+        // Open the port (receive interrupt, DTR), queue a byte, read it back.
         s.write(1, &[1]);
+        s.write(4, &[0x0b]);
         assert_eq!(s.enqueue_input(b"x").unwrap(), 1);
         assert_eq!(s.irq().eventfd().read().unwrap(), 1);
         let mut b = [0u8];
@@ -247,10 +265,38 @@ mod tests {
     }
 
     #[test]
+    fn input_waits_while_the_driver_probes_starts_or_closes_the_port() {
+        let ready = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut s = Serial::with_input_events(
+            EventTrigger::new().unwrap(),
+            Box::new(std::io::sink()),
+            Some(ready.try_clone().unwrap()),
+        );
+        assert_eq!(s.input_capacity(), 0, "power-on: port closed");
+        // The probe writes 0x0f to IER, with loopback on.
+        s.write(4, &[0x1a]);
+        s.write(1, &[0x0f]);
+        assert_eq!(s.input_capacity(), 0, "probe: loopback, no DTR");
+        s.write(1, &[0]);
+        s.write(4, &[0x08]);
+        // Start-up turns the receive interrupt on before the tty raises DTR.
+        s.write(1, &[0x05]);
+        assert_eq!(s.input_capacity(), 0, "start-up: DTR still low");
+        assert!(ready.read().is_err(), "no readiness signalled yet");
+        s.write(4, &[0x0b]);
+        assert_eq!(s.input_capacity(), 64);
+        assert_eq!(ready.read().unwrap(), 1, "DTR raised: input may flow");
+        // Close: DTR dropped, interrupts off.
+        s.write(4, &[0x08]);
+        assert_eq!(s.input_capacity(), 0);
+    }
+
+    #[test]
     fn snapshot_round_trip_keeps_registers_and_pending_input() {
         let mut s = Serial::new(EventTrigger::new().unwrap(), Box::new(std::io::sink()));
         s.write(7, &[0x5a]); // scratch
         s.write(1, &[1]);
+        s.write(4, &[0x0b]);
         s.enqueue_input(b"ab").unwrap();
         let snap = s.snapshot();
         let mut r = Serial::from_snapshot(
