@@ -85,6 +85,22 @@ pub trait Backend: Send + Sync + 'static {
     fn rename(&self, id: &str, from: &str, to: &str) -> Result<(), RuntimeError>;
 
     fn collect_artifacts(&self, id: &str) -> Result<Vec<ArtifactInfo>, RuntimeError>;
+
+    /// Runs `f` on the sandbox's agent handle with a call slot held (resuming a paused
+    /// sandbox first), audited as `call`. The E2B surface speaks to the agent through this;
+    /// use [`with_sandbox`] for a typed result.
+    fn with_sandbox_dyn(
+        &self,
+        id: &str,
+        call: &'static str,
+        args: serde_json::Value,
+        f: &mut dyn FnMut(&crate::Sandbox) -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
+        let _ = (id, args, f);
+        Err(RuntimeError::Internal(format!(
+            "{call}: this backend has no sandbox handles"
+        )))
+    }
     fn artifacts(&self, id: &str) -> Result<Vec<ArtifactInfo>, RuntimeError>;
     fn artifact_path(&self, id: &str, path: &str) -> Result<PathBuf, RuntimeError>;
 }
@@ -231,4 +247,32 @@ impl Backend for Runtime {
     fn artifact_path(&self, id: &str, path: &str) -> Result<PathBuf, RuntimeError> {
         Runtime::artifact_path(self, id, path)
     }
+    fn with_sandbox_dyn(
+        &self,
+        id: &str,
+        call: &'static str,
+        args: serde_json::Value,
+        f: &mut dyn FnMut(&crate::Sandbox) -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
+        Runtime::with_sandbox(self, id, call, args, |sb| f(sb))
+    }
+}
+
+/// [`Backend::with_sandbox_dyn`] with a typed result.
+pub fn with_sandbox<T>(
+    b: &dyn Backend,
+    id: &str,
+    call: &'static str,
+    args: serde_json::Value,
+    f: impl FnOnce(&crate::Sandbox) -> Result<T, RuntimeError>,
+) -> Result<T, RuntimeError> {
+    let mut f = Some(f);
+    let mut out = None;
+    b.with_sandbox_dyn(id, call, args, &mut |sb| {
+        if let Some(f) = f.take() {
+            out = Some(f(sb)?);
+        }
+        Ok(())
+    })?;
+    out.ok_or_else(|| RuntimeError::Internal(format!("{call}: the call did not run")))
 }

@@ -14,6 +14,7 @@
 //! and bearer-token auth (except `/healthz` and `/openapi.json`).
 
 pub mod backend;
+pub mod e2b;
 pub mod error;
 pub mod metrics;
 pub mod openapi;

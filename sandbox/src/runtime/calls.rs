@@ -186,6 +186,19 @@ impl Runtime {
         )
     }
 
+    /// Runs `f` on the sandbox's handle with a call slot held (a paused sandbox is resumed
+    /// first; a pause waits for `f` to return), audited as `call` with `args`. For layers
+    /// that speak to the agent directly (the E2B surface): each use is one audited call.
+    pub fn with_sandbox<T>(
+        &self,
+        id: &str,
+        call: &'static str,
+        args: serde_json::Value,
+        f: impl FnOnce(&crate::Sandbox) -> Result<T, RuntimeError>,
+    ) -> Result<T, RuntimeError> {
+        self.audited(id, call, args, |vm, _| f(&vm.sandbox))
+    }
+
     fn row_env(&self, id: &str) -> std::collections::BTreeMap<String, String> {
         self.get(id).map(|i| i.env).unwrap_or_default()
     }
