@@ -20,6 +20,9 @@ use std::sync::Arc;
 
 use super::{AppState, Backend};
 
+pub mod rpc;
+pub mod tls;
+
 /// envd's port: files, processes, filesystem RPC.
 pub const ENVD_PORT: u16 = 49983;
 /// The code interpreter's port: `/execute`, `/contexts`.
@@ -62,6 +65,8 @@ pub struct E2bState {
     pub app: AppState,
     /// Settings.
     pub opts: Arc<E2bOptions>,
+    /// The RPC services' state (process tags and configs, watchers).
+    pub rpc: Arc<rpc::RpcState>,
 }
 
 impl std::fmt::Debug for E2bState {
