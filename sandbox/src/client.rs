@@ -467,6 +467,7 @@ mod tests {
                     listen: "127.0.0.1:0".parse().unwrap(),
                     token_file,
                     shutdown_grace: Duration::from_secs(1),
+                    ..Default::default()
                 })
                 .await
                 .unwrap();

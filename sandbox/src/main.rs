@@ -53,6 +53,9 @@ enum Cmd {
     Artifacts(cli::remote::ArtifactsArgs),
     /// Show a sandbox's audit log.
     Logs(cli::remote::LogsArgs),
+    /// The local CA and certificate of the E2B TLS listener (`ember serve --tls-listen`).
+    #[command(subcommand)]
+    Tls(cli::tls::TlsCmd),
     /// Build (or locate in the cache) the default guest kernel and root filesystem.
     Images {
         /// Template whose root filesystem to build.
@@ -916,6 +919,7 @@ fn main() -> ExitCode {
         Cmd::Cp(a) => cli::remote::cp_main(a),
         Cmd::Artifacts(a) => cli::remote::artifacts_main(a),
         Cmd::Logs(a) => cli::remote::logs_main(a),
+        Cmd::Tls(c) => cli::tls::main(c),
         Cmd::Vm(VmCmd::Boot(a)) => vm_boot(a),
         Cmd::Vm(VmCmd::Restore(a)) => vm_restore(a),
         Cmd::Vm(VmCmd::Snapshot(a)) => vm_snapshot(a),

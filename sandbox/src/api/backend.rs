@@ -12,7 +12,7 @@ use ember_agent::protocol::{
 use super::types::TemplateSummary;
 use crate::runtime::{
     ArtifactInfo, AuditFilter, AuditRecord, CreateRequest, ForkRequest, ListFilter, Metrics,
-    OnTimeout, SandboxInfo, SnapshotInfo, SnapshotRequest, Transition,
+    OnTimeout, SandboxInfo, SnapshotInfo, SnapshotRequest, Transition, Usage,
 };
 use crate::template::{BuildEvent, BuildOptions, Template};
 use crate::{RunEnd, Runtime, RuntimeError};
@@ -99,6 +99,12 @@ pub trait Backend: Send + Sync + 'static {
         let _ = (id, args, f);
         Err(RuntimeError::Internal(format!(
             "{call}: this backend has no sandbox handles"
+        )))
+    }
+    /// What the running sandbox uses on the host now (CPU sample, memory, disk).
+    fn usage(&self, id: &str) -> Result<Usage, RuntimeError> {
+        Err(RuntimeError::Internal(format!(
+            "usage of {id}: this backend does not measure sandboxes"
         )))
     }
     fn artifacts(&self, id: &str) -> Result<Vec<ArtifactInfo>, RuntimeError>;
@@ -246,6 +252,9 @@ impl Backend for Runtime {
     }
     fn artifact_path(&self, id: &str, path: &str) -> Result<PathBuf, RuntimeError> {
         Runtime::artifact_path(self, id, path)
+    }
+    fn usage(&self, id: &str) -> Result<Usage, RuntimeError> {
+        Runtime::usage(self, id)
     }
     fn with_sandbox_dyn(
         &self,

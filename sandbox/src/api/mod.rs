@@ -11,7 +11,9 @@
 //!
 //! Around every route: a request id (`x-request-id`, the client's if it sent a sane one), a
 //! tracing span with method, path, status and latency, a request counter for `/metrics`,
-//! and bearer-token auth (except `/healthz` and `/openapi.json`).
+//! then the E2B dispatch (`e2b::route`: E2B control-plane and sandbox traffic is answered
+//! by `e2b`, with its own auth), then bearer-token auth (except `/healthz` and
+//! `/openapi.json`).
 
 pub mod backend;
 pub mod e2b;
@@ -57,6 +59,8 @@ pub struct ServeOptions {
     /// After SIGINT/SIGTERM, how long open requests (streams) may go on before the server
     /// stops anyway (default 10 s). Sandboxes are left running either way.
     pub shutdown_grace: Duration,
+    /// The E2B-compatible surface's settings (domain, template aliases).
+    pub e2b: e2b::E2bOptions,
 }
 
 impl Default for ServeOptions {
@@ -65,6 +69,7 @@ impl Default for ServeOptions {
             listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
             token_file: crate::paths::home_dir().join("token"),
             shutdown_grace: Duration::from_secs(10),
+            e2b: e2b::E2bOptions::default(),
         }
     }
 }
@@ -105,6 +110,8 @@ struct Shared {
     token: String,
     http: Mutex<HttpCounts>,
     openapi: String,
+    e2b: Arc<e2b::E2bOptions>,
+    rpc: Arc<e2b::rpc::RpcState>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -114,14 +121,21 @@ impl std::fmt::Debug for AppState {
 }
 
 impl AppState {
-    /// State over `backend`, accepting `token`.
+    /// State over `backend`, accepting `token`, with the E2B surface's default settings.
     pub fn new(backend: Arc<dyn Backend>, token: String) -> Self {
+        Self::with_e2b(backend, token, e2b::E2bOptions::default())
+    }
+
+    /// State over `backend`, accepting `token`, with these E2B settings.
+    pub fn with_e2b(backend: Arc<dyn Backend>, token: String, e2b: e2b::E2bOptions) -> Self {
         AppState {
             inner: Arc::new(Shared {
                 backend,
                 token,
                 http: Mutex::new(HttpCounts::new()),
                 openapi: openapi::json(),
+                e2b: Arc::new(e2b),
+                rpc: Arc::new(e2b::rpc::RpcState::default()),
             }),
         }
     }
@@ -276,18 +290,23 @@ pub fn route_list() -> Vec<(&'static str, &'static str)> {
     table().routes
 }
 
-/// The whole application: routes, auth, request ids, logs, counters, JSON errors.
+/// The whole application: routes, auth, request ids, logs, counters, JSON errors, and the
+/// E2B surface in front of the native routes.
 pub fn router(state: AppState) -> Router {
     table()
         .router
         .fallback(error::no_route)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            e2b::route::dispatch,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), observe))
         .with_state(state)
 }
 
 /// Constant-time comparison (the token is a secret).
-fn same(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
@@ -344,7 +363,11 @@ async fn observe(State(st): State<AppState>, req: Request, next: Next) -> Respon
     let span = tracing::info_span!("request", id = %id, method = %method, path = %path);
     let t0 = Instant::now();
     let resp = next.run(req).instrument(span.clone()).await;
-    let mut resp = error::jsonify(resp, &method, &path).await;
+    // The E2B surface answers in its own shapes; its routes are counted by surface.
+    let (route, mut resp) = match resp.extensions().get::<e2b::E2bRoute>().copied() {
+        Some(e2b::E2bRoute(label)) => (label.to_string(), resp),
+        None => (route, error::jsonify(resp, &method, &path).await),
+    };
     let status = resp.status();
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     span.in_scope(|| {
@@ -422,12 +445,38 @@ pub fn load_or_create_token(path: &Path) -> Result<String, ServeError> {
     }
 }
 
+/// A future that completes when the server stops.
+pub type StopSignal = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Another listener serving the same application (e.g. the TLS one): given the router and
+/// a [`StopSignal`], it serves until the signal completes.
+pub type ExtraListener = Box<
+    dyn FnOnce(
+            Router,
+            StopSignal,
+        ) -> std::pin::Pin<Box<dyn Future<Output = std::io::Result<()>> + Send>>
+        + Send,
+>;
+
 /// A bound server, not yet serving.
-#[derive(Debug)]
 pub struct Server {
     listener: tokio::net::TcpListener,
     token: String,
     opts: ServeOptions,
+    extra: Vec<(String, ExtraListener)>,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("listener", &self.listener)
+            .field("opts", &self.opts)
+            .field(
+                "extra",
+                &self.extra.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
 }
 
 impl Server {
@@ -444,7 +493,15 @@ impl Server {
             listener,
             token,
             opts,
+            extra: Vec::new(),
         })
+    }
+
+    /// Also serves the application through `listener` (named `name` in logs), started with
+    /// the server and stopped with it.
+    pub fn also_serve(mut self, name: impl Into<String>, listener: ExtraListener) -> Self {
+        self.extra.push((name.into(), listener));
+        self
     }
 
     /// The bound address (the port when `listen` asked for port 0).
@@ -464,7 +521,24 @@ impl Server {
         backend: Arc<dyn Backend>,
         stop: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), ServeError> {
-        let app = router(AppState::new(backend, self.token));
+        let app = router(AppState::with_e2b(
+            backend,
+            self.token,
+            self.opts.e2b.clone(),
+        ));
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        for (name, serve) in self.extra {
+            let mut rx = stop_rx.clone();
+            let signal: StopSignal = Box::pin(async move {
+                let _ = rx.wait_for(|stop| *stop).await;
+            });
+            let fut = serve(app.clone(), signal);
+            tokio::spawn(async move {
+                if let Err(e) = fut.await {
+                    tracing::error!("{name}: stopped serving: {e}");
+                }
+            });
+        }
         let stopping = Arc::new(tokio::sync::Notify::new());
         let notify = stopping.clone();
         let graceful = async move {
@@ -472,6 +546,7 @@ impl Server {
             tracing::info!(
                 "shutting down (sandboxes keep running; the next start re-attaches them)"
             );
+            let _ = stop_tx.send(true);
             notify.notify_one();
         };
         // Nagle off: the last line of an NDJSON stream must not wait for the client's

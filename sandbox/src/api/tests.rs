@@ -827,6 +827,7 @@ async fn hang_up_during(code: &'static str, stopped: fn(&Fake) -> bool) -> Arc<F
         listen: "127.0.0.1:0".parse().unwrap(),
         token_file,
         shutdown_grace: Duration::from_secs(1),
+        ..Default::default()
     })
     .await
     .unwrap();

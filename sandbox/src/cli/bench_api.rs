@@ -234,6 +234,7 @@ impl Local {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             token_file,
             shutdown_grace: Duration::from_secs(2),
+            ..Default::default()
         };
         let backend: Arc<dyn Backend> = Arc::new(rt);
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();

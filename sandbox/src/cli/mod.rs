@@ -8,6 +8,7 @@ pub mod render;
 pub mod run;
 pub mod serve;
 pub mod template;
+pub mod tls;
 
 use std::process::ExitCode;
 

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use ember_sandbox::api::{ServeOptions, Server};
+use ember_sandbox::api::e2b::{tls, E2bOptions};
+use ember_sandbox::api::{ExtraListener, ServeOptions, Server};
 use ember_sandbox::{Runtime, RuntimeConfig};
 
 use super::fail;
@@ -43,6 +44,40 @@ pub struct ServeArgs {
     /// After SIGINT/SIGTERM, how long open streams may go on, seconds.
     #[arg(long, value_name = "SECS", default_value_t = 10)]
     pub shutdown_grace: u64,
+    /// The E2B sandbox domain: requests for `Host: <port>-<id>.<DOMAIN>` go to that sandbox,
+    /// `Host: api.<DOMAIN>` to the E2B control plane, and API responses name it (the SDKs'
+    /// `E2B_DOMAIN`). May carry a port (`e2b.localhost:3443`). Without it, sandbox traffic
+    /// is routed by the `E2b-Sandbox-Id` header only.
+    #[arg(long, env = "EMBER_E2B_DOMAIN", value_name = "DOMAIN")]
+    pub domain: Option<String>,
+    /// An E2B template name and the ember template (or snapshot) it means, e.g.
+    /// `code-interpreter-v1=python-data` (repeatable; overrides the defaults
+    /// `code-interpreter-v1=python-data`, `base=default`).
+    #[arg(long = "e2b-alias", value_name = "NAME=TEMPLATE")]
+    pub e2b_alias: Vec<String>,
+    /// Also serve (the same API) over TLS on this address, with a certificate for
+    /// `*.<DOMAIN>` signed by a local CA kept in `$EMBER_HOME/tls` (made on first use; point
+    /// clients' `SSL_CERT_FILE` at its bundle). Needs `--domain`.
+    #[arg(long, value_name = "ADDR")]
+    pub tls_listen: Option<SocketAddr>,
+}
+
+/// The E2B settings of the flags.
+fn e2b_options(a: &ServeArgs) -> Result<E2bOptions, String> {
+    let mut o = E2bOptions {
+        domain: a.domain.clone().filter(|d| !d.trim().is_empty()),
+        ..E2bOptions::default()
+    };
+    for spec in &a.e2b_alias {
+        match spec.split_once('=') {
+            Some((name, template)) if !name.trim().is_empty() && !template.trim().is_empty() => {
+                o.aliases
+                    .insert(name.trim().to_string(), template.trim().to_string());
+            }
+            _ => return Err(format!("--e2b-alias {spec:?}: expected NAME=TEMPLATE")),
+        }
+    }
+    Ok(o)
 }
 
 fn init_logging() {
@@ -53,6 +88,31 @@ fn init_logging() {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+/// The TLS listener on `addr` with the certificates of `$EMBER_HOME/tls` for `domain`.
+fn tls_listener(
+    home: &std::path::Path,
+    domain: &str,
+    addr: SocketAddr,
+    rt: &tokio::runtime::Runtime,
+) -> Result<ExtraListener, String> {
+    let dir = home.join("tls");
+    let files = tls::load_or_create(&dir, domain)
+        .map_err(|e| format!("TLS certificates in {}: {e}", dir.display()))?;
+    let config = tls::server_config(&files).map_err(|e| format!("TLS: {e}"))?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(addr))
+        .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let host = tls::cert_domain(domain).unwrap_or_else(|_| domain.to_string());
+    eprintln!(
+        "ember: serving TLS on https://{addr} for *.{host} (CA certificate {}; `ember tls \
+         init --domain {domain}` prints the SDKs' environment)",
+        files.ca_cert.display()
+    );
+    Ok(Box::new(move |app, stop| {
+        Box::pin(tls::serve_tls(listener, config, app, stop))
+    }))
 }
 
 /// Runs `ember serve`.
@@ -81,10 +141,21 @@ pub fn main(a: ServeArgs) -> ExitCode {
     if cfg.default_timeout > cfg.max_lifetime {
         return fail("--default-timeout is longer than --max-lifetime");
     }
+    let e2b = match e2b_options(&a) {
+        Ok(o) => o,
+        Err(e) => return fail(e),
+    };
+    if a.tls_listen.is_some() && e2b.domain.is_none() {
+        return fail("--tls-listen needs --domain (the certificate is for *.<domain>)");
+    }
     let opts = ServeOptions {
         listen: a.listen,
-        token_file: a.token_file.unwrap_or_else(|| cfg.home.join("token")),
+        token_file: a
+            .token_file
+            .clone()
+            .unwrap_or_else(|| cfg.home.join("token")),
         shutdown_grace: Duration::from_secs(a.shutdown_grace),
+        e2b: e2b.clone(),
     };
     if !a.listen.ip().is_loopback() {
         tracing::warn!(
@@ -104,10 +175,16 @@ pub fn main(a: ServeArgs) -> ExitCode {
     };
     // Bind first: a busy port fails before the runtime touches any sandbox.
     let token_file = opts.token_file.clone();
-    let server = match tokio.block_on(Server::bind(opts)) {
+    let mut server = match tokio.block_on(Server::bind(opts)) {
         Ok(s) => s,
         Err(e) => return fail(e),
     };
+    if let (Some(addr), Some(domain)) = (a.tls_listen, e2b.domain.as_deref()) {
+        match tls_listener(&home, domain, addr, &tokio) {
+            Ok(l) => server = server.also_serve(format!("TLS listener on {addr}"), l),
+            Err(e) => return fail(e),
+        }
+    }
     let rt = match Runtime::open(cfg) {
         Ok(rt) => rt,
         Err(e) => {

@@ -22,6 +22,7 @@ pub mod types;
 
 mod calls;
 mod lifecycle;
+mod usage;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};

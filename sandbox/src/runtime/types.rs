@@ -315,6 +315,28 @@ pub struct ForkRequest {
     pub metadata: Option<BTreeMap<String, String>>,
 }
 
+/// What a running sandbox uses on the host now ([`crate::runtime::Runtime::usage`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Usage {
+    /// When it was measured, ms since the Unix epoch.
+    pub at_ms: i64,
+    /// vCPUs of the guest.
+    pub vcpus: u8,
+    /// CPU time the VMM used during the sample, percent of all its vCPUs (0 to 100).
+    pub cpu_used_pct: f64,
+    /// Host memory charged to the VMM's cgroup (its resident set when there is no
+    /// memory cgroup), bytes.
+    pub mem_used_bytes: u64,
+    /// Of that, page cache, bytes.
+    pub mem_cache_bytes: u64,
+    /// Guest memory, bytes.
+    pub mem_total_bytes: u64,
+    /// Bytes allocated by the sandbox's copy-on-write disk layer.
+    pub disk_used_bytes: u64,
+    /// Disk size, bytes.
+    pub disk_total_bytes: u64,
+}
+
 /// Counters of the runtime for `/metrics`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Metrics {
