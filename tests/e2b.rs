@@ -174,8 +174,6 @@ fn e2b_dir() -> PathBuf {
 
 fn find_sdks() -> Sdks {
     let cache = ember_sandbox::paths::cache_dir().join("e2b");
-    let hint =
-        "run `bash scripts/e2b-sdks.sh` (it prints EMBER_E2B_VENV and EMBER_E2B_NODE_MODULES)";
     let venv = std::env::var_os("EMBER_E2B_VENV")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
@@ -189,7 +187,7 @@ fn find_sdks() -> Sdks {
         Ok(python)
     } else {
         Err(format!(
-            "no Python SDK venv at {} (EMBER_E2B_VENV); {hint}",
+            "no Python SDK venv at {} (EMBER_E2B_VENV)",
             venv.display()
         ))
     };
@@ -209,14 +207,14 @@ fn find_sdks() -> Sdks {
         .map(|o| o.status.success())
         .unwrap_or(false);
     let node_modules = if !node_ok {
-        Err(format!("`node` is not runnable; {hint}"))
+        Err("`node` is not runnable".to_string())
     } else if nm.join("e2b/package.json").is_file()
         && nm.join("@e2b/code-interpreter/package.json").is_file()
     {
         Ok(nm)
     } else {
         Err(format!(
-            "no JS SDK at {} (EMBER_E2B_NODE_MODULES); {hint}",
+            "no JS SDK at {} (EMBER_E2B_NODE_MODULES)",
             nm.display()
         ))
     };
@@ -365,7 +363,9 @@ fn e2b_sdks_work_unchanged_against_ember_serve() {
             .iter()
             .map(|s| s.as_str())
             .collect::<Vec<_>>()
-            .join("; ");
+            .join("; ")
+            + "; run `bash scripts/e2b-sdks.sh` (it prints EMBER_E2B_VENV and \
+               EMBER_E2B_NODE_MODULES)";
         assert!(
             !required,
             "the E2B SDKs are missing (CI=true or EMBER_E2B_* set): {why}"

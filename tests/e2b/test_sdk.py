@@ -298,8 +298,8 @@ def files_large():
     guest = sbx().commands.run(f"sha256sum {path}").stdout.split()[0]
     eq(guest, want, "sha256 in the guest")
     note(
-        f"64 MiB upload {up:.2f} s ({64 / up:.0f} MiB/s), "
-        f"download {down:.2f} s ({64 / down:.0f} MiB/s)"
+        f"64 MiB upload {up:.2f} s ({64 / up:.2f} MiB/s), "
+        f"download {down:.2f} s ({64 / down:.2f} MiB/s)"
     )
     sbx().files.remove(path)
 

@@ -16,8 +16,8 @@ use super::fail;
 /// `ember serve`.
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// Address to listen on. Anything but loopback exposes the API to the network (the
-    /// bearer token still guards it; there is no TLS).
+    /// Address to listen on (plain HTTP). Anything but loopback exposes the API to the
+    /// network: the token still guards it, but in clear text; see `--tls-listen`.
     #[arg(long, env = "EMBER_LISTEN", default_value = "127.0.0.1:7070")]
     pub listen: SocketAddr,
     /// The bearer token's file (default `$EMBER_HOME/token`; created, mode 0600, if absent).
