@@ -21,8 +21,9 @@
 //! SDK calls exercised, Python (`e2b_code_interpreter.Sandbox`, synchronous):
 //! - `Sandbox.create(envs=, metadata=, timeout=)` (default template `code-interpreter-v1`),
 //!   `Sandbox.create(snapshot_id)`
-//! - `run_code(code)`, `run_code(code, envs=)`: `.text`, `.logs.stdout/.stderr`,
-//!   `.results[].png`, `.error.name/.value/.traceback`
+//! - `run_code(code)`, `run_code(code, envs=)`, `run_code(code, language="bash")`: `.text`,
+//!   `.logs.stdout/.stderr`, `.results[].png`, `.error.name/.value/.traceback`; code runs in
+//!   `/home/user` and reads a relative file written by `files.write`
 //! - `commands.run(cmd)` (`stdout`, `stderr`, `exit_code`), `commands.run(cmd, envs=, cwd=)`,
 //!   a non-zero exit → `CommandExitException(exit_code, stderr)`,
 //!   `commands.run(cmd, background=True)` → `.pid`, `commands.list()`,

@@ -105,6 +105,18 @@ def run_code_state():
 
 
 @check("create")
+def run_code_in_home():
+    # E2B code runs in the user's home, where relative file paths land.
+    r = sbx().run_code("import os; os.getcwd()")
+    eq(r.text, "/home/user", "run_code cwd")
+    sbx().files.write("from_sdk.txt", "written by files.write")
+    r = sbx().run_code("open('from_sdk.txt').read()")
+    eq(r.text, "written by files.write", "a relative file from files.write, read by code")
+    r = sbx().run_code("pwd", language="bash")
+    eq("".join(r.logs.stdout).strip(), "/home/user", "bash cwd")
+
+
+@check("create")
 def run_code_stdout():
     r = sbx().run_code("print('hello'); import sys; print('oops', file=sys.stderr)")
     eq("".join(r.logs.stdout), "hello\n", "stdout")

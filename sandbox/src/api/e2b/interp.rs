@@ -21,7 +21,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use ember_agent::protocol::{ErrorCode, EventKind, RunCodeRequest};
+use ember_agent::protocol::{Call, ContextCreateRequest, ErrorCode, EventKind, RunCodeRequest};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
@@ -30,6 +30,7 @@ use tracing::Span;
 
 use super::route::{gone_or, Target};
 use super::{E2bError, E2bJson, E2bState};
+use crate::api::backend::with_sandbox;
 use crate::api::Backend;
 use crate::runtime::RuntimeError;
 
@@ -295,20 +296,21 @@ async fn execute(
     // The sandbox's environment (create's `envVars`) for every execution, then the call's.
     let mut env = t.info.env.clone();
     env.extend(body.env_vars.unwrap_or_default());
+    // Without a named context, E2B's own default contexts (in the user's home).
+    let implicit = body.context_id.is_none();
+    let context = body.context_id.unwrap_or_else(|| {
+        match lang {
+            Some("bash") => E2B_BASH,
+            _ => E2B_PYTHON,
+        }
+        .to_string()
+    });
     let req = RunCodeRequest {
-        context: body.context_id.clone(),
-        language: lang.map(str::to_string),
+        context: Some(context.clone()),
         code: body.code,
         env,
         ..Default::default()
     };
-    let context = body.context_id.unwrap_or_else(|| {
-        match lang {
-            Some("bash") => "default-bash",
-            _ => "default",
-        }
-        .to_string()
-    });
     let (b, b2, id, id2, ctx2) = (
         st.backend(),
         st.backend(),
@@ -325,7 +327,7 @@ async fn execute(
     let span = Span::current();
     tokio::task::spawn_blocking(move || {
         let _enter = span.enter();
-        run(&*b, &id, &req, &tx);
+        run(&*b, &id, &req, implicit, &tx);
     });
     let first = match tokio::time::timeout(FIRST_WAIT, rx.recv()).await {
         Ok(Some(Msg::Done(Err((e, false))))) => {
@@ -338,19 +340,73 @@ async fn execute(
     ndjson_response(first, rx, abandon)
 }
 
-/// Runs the code, sending lines; the last message is always `Done`.
-fn run(b: &dyn Backend, id: &str, req: &RunCodeRequest, tx: &mpsc::Sender<Msg>) {
+/// The context `/execute` runs python in when none is named. E2B's default contexts start in
+/// the user's home, where relative `files.*` paths land (the templates' own `default` context
+/// starts in `/workspace`); made on first use from one of the template's spare contexts
+/// (milliseconds), then kept, and carried by forks and snapshots like any context.
+pub const E2B_PYTHON: &str = "e2b-python";
+/// The same for bash.
+pub const E2B_BASH: &str = "e2b-bash";
+/// Their working directory.
+const E2B_CWD: &str = "/home/user";
+
+/// Makes the named default context `ctx` (see [`E2B_PYTHON`]); one made meanwhile by a
+/// concurrent first call is fine.
+fn make_default_context(b: &dyn Backend, id: &str, ctx: &str) -> Result<(), RuntimeError> {
+    let language = if ctx == E2B_BASH { "bash" } else { "python" };
+    let args = json!({ "context": ctx, "language": language, "cwd": E2B_CWD });
+    with_sandbox(b, id, "context_create", args, |sb| {
+        let req = ContextCreateRequest {
+            language: language.into(),
+            cwd: Some(E2B_CWD.into()),
+            env: sb.template_env().clone(),
+            id: Some(ctx.into()),
+        };
+        match sb.call(&Call::ContextCreate(req), Duration::from_secs(600), |_| {
+            Ok(())
+        }) {
+            Ok(_) => Ok(()),
+            Err(e) => match RuntimeError::from(e) {
+                RuntimeError::Guest {
+                    code: ErrorCode::Exists,
+                    ..
+                } => Ok(()),
+                e => Err(e),
+            },
+        }
+    })
+}
+
+/// Runs the code, sending lines; the last message is always `Done`. With `implicit`, the
+/// context is one of E2B's defaults, made when missing.
+fn run(b: &dyn Backend, id: &str, req: &RunCodeRequest, implicit: bool, tx: &mpsc::Sender<Msg>) {
     let mut tr = Translator::default();
     let mut sent = false;
-    let r = b.run_code(id, req, &mut |ev| {
-        for v in tr.lines(ev) {
-            if tx.blocking_send(Msg::Line(line(&v))).is_err() {
-                return false;
+    let attempt = |tr: &mut Translator, sent: &mut bool| {
+        b.run_code(id, req, &mut |ev| {
+            for v in tr.lines(ev) {
+                if tx.blocking_send(Msg::Line(line(&v))).is_err() {
+                    return false;
+                }
+                *sent = true;
             }
-            sent = true;
+            true
+        })
+    };
+    let mut r = attempt(&mut tr, &mut sent);
+    if let Err(RuntimeError::Guest {
+        code: ErrorCode::NoSuchContext,
+        ..
+    }) = &r
+    {
+        if implicit && !sent {
+            let ctx = req.context.as_deref().unwrap_or(E2B_PYTHON);
+            r = match make_default_context(b, id, ctx) {
+                Ok(()) => attempt(&mut tr, &mut sent),
+                Err(e) => Err(e),
+            };
         }
-        true
-    });
+    }
     let done = match r {
         Ok(end) => {
             let mut tail: Vec<Value> = end

@@ -773,7 +773,8 @@ mod tests {
         assert!(fake.interrupted.load(std::sync::atomic::Ordering::SeqCst));
         assert_eq!(
             fake.interrupted_context.lock().unwrap().as_deref(),
-            Some("default")
+            Some(super::interp::E2B_PYTHON),
+            "no context named: E2B's default python context"
         );
     }
 
