@@ -24,6 +24,9 @@
 //! - `run_code(code)`, `run_code(code, envs=)`, `run_code(code, language="bash")`: `.text`,
 //!   `.logs.stdout/.stderr`, `.results[].png`, `.error.name/.value/.traceback`; code runs in
 //!   `/home/user` and reads a relative file written by `files.write`
+//! - `create_code_context(cwd=)`, `run_code(code, context=)`, `list_code_contexts()`,
+//!   `restart_code_context`, `remove_code_context` (then `NotFoundException`)
+//! - `get_metrics()`; `pty.create(PtySize, user=)`, `pty.send_stdin`, `handle.wait(on_pty=)`
 //! - `commands.run(cmd)` (`stdout`, `stderr`, `exit_code`), `commands.run(cmd, envs=, cwd=)`,
 //!   a non-zero exit → `CommandExitException(exit_code, stderr)`,
 //!   `commands.run(cmd, background=True)` → `.pid`, `commands.list()`,

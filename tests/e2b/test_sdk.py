@@ -30,6 +30,7 @@ from e2b import (
     FileNotFoundException,
     FilesystemEventType,
     NotFoundException,
+    PtySize,
     SandboxException,
     SandboxQuery,
 )
@@ -114,6 +115,43 @@ def run_code_in_home():
     eq(r.text, "written by files.write", "a relative file from files.write, read by code")
     r = sbx().run_code("pwd", language="bash")
     eq("".join(r.logs.stdout).strip(), "/home/user", "bash cwd")
+
+
+@check("create")
+def code_contexts():
+    s = sbx()
+    ctx = s.create_code_context(cwd="/tmp")
+    eq(ctx.cwd, "/tmp", "context cwd")
+    s.run_code("y = 5", context=ctx)
+    eq(s.run_code("y * 2", context=ctx).text, "10", "state kept in a context")
+    eq(s.run_code("import os; os.getcwd()", context=ctx).text, "/tmp", "cwd in the context")
+    expect(ctx.id in [c.id for c in s.list_code_contexts()], "the context is listed")
+    s.restart_code_context(ctx)
+    eq(s.run_code("'y' in globals()", context=ctx).text, "False", "a restart drops state")
+    s.remove_code_context(ctx)
+    expect(ctx.id not in [c.id for c in s.list_code_contexts()], "a removed context is gone")
+    try:
+        s.run_code("1", context=ctx)
+        raise AssertionError("run_code in a removed context succeeded")
+    except NotFoundException:
+        pass
+
+
+@check("create")
+def metrics():
+    m = sbx().get_metrics()
+    expect(len(m) >= 1, "get_metrics() returned no sample")
+    last = m[-1]
+    expect(last.cpu_count >= 1 and last.mem_total > 0 and last.mem_used > 0, f"sample {last}")
+
+
+@check("create")
+def pty():
+    h = sbx().pty.create(PtySize(rows=30, cols=100), user="root")
+    sbx().pty.send_stdin(h.pid, b"stty size; exit 0\n")
+    out = bytearray()
+    h.wait(on_pty=lambda d: out.extend(d))
+    expect(b"30 100" in out, f"stty size on the terminal: {bytes(out)!r}")
 
 
 @check("create")
