@@ -5,6 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --workspace --bins
+# The pinned E2B SDKs that tests/e2b.rs drives (cached; .ci/run has already done this).
+if [[ -z "${EMBER_E2B_VENV:-}" ]]; then
+    if e2b_env=$(bash scripts/e2b-sdks.sh); then
+        EMBER_E2B_VENV=$(sed -n 's/^EMBER_E2B_VENV=//p' <<<"$e2b_env")
+        EMBER_E2B_NODE_MODULES=$(sed -n 's/^EMBER_E2B_NODE_MODULES=//p' <<<"$e2b_env")
+        export EMBER_E2B_VENV EMBER_E2B_NODE_MODULES
+    else
+        echo "warning: the E2B SDKs could not be installed; tests/e2b.rs will say so" >&2
+    fi
+fi
 python3 -m unittest discover -s rootfs -p "test_*.py"
 # Guest boots are slow on kvm_pvm and the machine has 2 cores: two test threads.
 cargo test --workspace --no-fail-fast -- --test-threads=2
