@@ -7,11 +7,10 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
 use ember_agent::protocol::{EventKind, RunCodeRequest};
-use futures_util::StreamExt;
 use tokio::sync::mpsc;
 
 use super::error::{ApiError, ApiJson, ApiQuery};
-use super::stream::{self, line, ChannelReader};
+use super::stream::{self, line, pump_body, ChannelReader};
 use super::types::*;
 use super::AppState;
 use crate::runtime::{
@@ -473,30 +472,7 @@ pub async fn upload(
     let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(8);
     let path = q.path.clone();
     let job = st.spawn(move |b| b.write_file(&id, &path, &mut ChannelReader::new(rx)));
-    let mut body = req.into_body().into_data_stream();
-    let mut n = 0u64;
-    let mut over = false;
-    while let Some(chunk) = body.next().await {
-        let item = match chunk {
-            Ok(c) => {
-                n += c.len() as u64;
-                if n > limit {
-                    over = true;
-                    Err(std::io::Error::other("the upload is over the limit"))
-                } else {
-                    Ok(c)
-                }
-            }
-            Err(e) => Err(std::io::Error::other(format!(
-                "the request body was cut off: {e}"
-            ))),
-        };
-        let stop = item.is_err();
-        if tx.send(item).await.is_err() || stop {
-            break;
-        }
-    }
-    drop(tx);
+    let over = pump_body(req.into_body().into_data_stream(), tx, limit).await;
     let r = AppState::join(job).await;
     if over {
         return Err(ApiError::too_large(limit));

@@ -234,8 +234,47 @@ impl Write for ChannelWriter {
     }
 }
 
-/// A blocking reader over request body chunks sent by the async side; an `Err` item fails
-/// the read (the body was cut off or is over the limit), the channel's end is EOF.
+/// Feeds a request body, chunk by chunk, into `tx` (the channel a [`ChannelReader`] reads)
+/// until it ends, fails or passes `limit` bytes; the reader sees an error in the last two
+/// cases. Returns whether the body passed the limit.
+pub async fn pump_body<S, E>(
+    mut body: S,
+    tx: mpsc::Sender<std::io::Result<Bytes>>,
+    limit: u64,
+) -> bool
+where
+    S: futures_util::Stream<Item = Result<Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    use futures_util::StreamExt;
+    let mut n = 0u64;
+    let mut over = false;
+    while let Some(chunk) = body.next().await {
+        let item = match chunk {
+            Ok(c) => {
+                n += c.len() as u64;
+                if n > limit {
+                    over = true;
+                    Err(std::io::Error::other("the upload is over the limit"))
+                } else {
+                    Ok(c)
+                }
+            }
+            Err(e) => Err(std::io::Error::other(format!(
+                "the request body was cut off: {e}"
+            ))),
+        };
+        let stop = item.is_err();
+        if tx.send(item).await.is_err() || stop {
+            break;
+        }
+    }
+    over
+}
+
+/// A blocking reader over request body chunks sent by the async side ([`pump_body`]); an
+/// `Err` item fails the read (the body was cut off or is over the limit), the channel's end
+/// is EOF.
 #[derive(Debug)]
 pub struct ChannelReader {
     rx: mpsc::Receiver<std::io::Result<Bytes>>,

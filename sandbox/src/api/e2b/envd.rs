@@ -24,7 +24,7 @@ use axum::{Json, Router};
 use base64::Engine;
 use bytes::Bytes;
 use ember_agent::protocol::{ErrorCode, EventKind, ExecRequest, ExitStatus};
-use futures_util::{Stream, StreamExt};
+use futures_util::Stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -33,7 +33,7 @@ use tower::ServiceExt;
 use super::route::{gone_or, Target};
 use super::{reshape, rpc, E2bError, E2bState};
 use crate::api::error::ApiError;
-use crate::api::stream::{self, ChannelReader};
+use crate::api::stream::{self, pump_body, ChannelReader};
 use crate::api::AppState;
 use crate::runtime::RuntimeError;
 
@@ -253,30 +253,7 @@ where
         };
         b.write_file(&id2, &path2, &mut watched)
     });
-    let mut body = body;
-    let mut n = 0u64;
-    let mut over = false;
-    while let Some(chunk) = body.next().await {
-        let item = match chunk {
-            Ok(c) => {
-                n += c.len() as u64;
-                if n > limit {
-                    over = true;
-                    Err(std::io::Error::other("the upload is over the limit"))
-                } else {
-                    Ok(c)
-                }
-            }
-            Err(e) => Err(std::io::Error::other(format!(
-                "the request body was cut off: {e}"
-            ))),
-        };
-        let stop = item.is_err();
-        if tx.send(item).await.is_err() || stop {
-            break;
-        }
-    }
-    drop(tx);
+    let over = pump_body(body, tx, limit).await;
     let r = match job.await {
         Ok(r) => r,
         Err(e) => {

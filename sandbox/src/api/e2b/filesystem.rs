@@ -216,6 +216,7 @@ pub async fn handle(st: E2bState, id: String, method: String, req: Request) -> R
     }
 }
 
+/// [`super::agent`] with a closure that answers Connect errors of its own.
 async fn agent<T: Send + 'static>(
     st: &E2bState,
     id: &str,
@@ -223,32 +224,10 @@ async fn agent<T: Send + 'static>(
     args: Value,
     f: impl FnOnce(&crate::Sandbox) -> Result<T, ConnectError> + Send + 'static,
 ) -> Result<T, ConnectError> {
-    let sid = id.to_string();
-    // The closure's own Connect error travels out beside the runtime's.
-    let r = st
-        .app
-        .spawn(move |b| {
-            let mut inner = None;
-            let r = with_sandbox(b, &sid, call, args, |sb| match f(sb) {
-                Ok(v) => Ok(Some(v)),
-                Err(e) => {
-                    inner = Some(e);
-                    Ok(None)
-                }
-            });
-            Ok((r, inner))
-        })
-        .await;
-    match r {
-        Ok(Ok((Ok(Some(v)), _))) => Ok(v),
-        Ok(Ok((Ok(None), Some(e)))) => Err(e),
-        Ok(Ok((Ok(None), None))) => Err(ConnectError::internal("the call produced nothing")),
-        Ok(Ok((Err(e), _))) | Ok(Err(e)) => {
-            st.rpc.note_error(id, &e);
-            Err(rt_error(e))
-        }
-        Err(e) => Err(ConnectError::internal(format!("the call failed: {e}"))),
-    }
+    super::agent(st, id, call, args, move |sb| {
+        f(sb).map_err(super::CallError::Connect)
+    })
+    .await
 }
 
 /// The Connect error of a guest call's error.

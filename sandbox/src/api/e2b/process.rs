@@ -32,7 +32,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::connect::{self, pj, Code, ConnectError};
-use super::{fail, rt_error, spawn_long, Abort, AbortOnDrop, E2bState, ProcEntry};
+use super::{agent, fail, rt_error, spawn_long, Abort, AbortOnDrop, E2bState, ProcEntry};
 use crate::api::backend::with_sandbox;
 use crate::api::Backend;
 use crate::RuntimeError;
@@ -323,29 +323,6 @@ pub async fn handle(st: E2bState, id: String, method: String, req: Request) -> R
             }
         }
         _ => super::no_method("process.Process", &method, &req),
-    }
-}
-
-/// Runs `f` with the sandbox's agent handle on a blocking thread.
-async fn agent<T: Send + 'static>(
-    st: &E2bState,
-    id: &str,
-    call: &'static str,
-    args: Value,
-    f: impl FnOnce(&crate::Sandbox) -> Result<T, RuntimeError> + Send + 'static,
-) -> Result<T, ConnectError> {
-    let sid = id.to_string();
-    let r = st
-        .app
-        .spawn(move |b| with_sandbox(b, &sid, call, args, f))
-        .await;
-    match r {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => {
-            st.rpc.note_error(id, &e);
-            Err(rt_error(e))
-        }
-        Err(e) => Err(ConnectError::internal(format!("the call failed: {e}"))),
     }
 }
 

@@ -190,6 +190,72 @@ impl RpcState {
     }
 }
 
+/// How a closure run with a sandbox's agent handle ([`agent`]) fails: with the runtime's
+/// error (noted, so a sandbox that is gone is forgotten) or with a Connect error of its own.
+pub(crate) enum CallError {
+    /// The runtime's (or the guest's) error.
+    Runtime(RuntimeError),
+    /// The closure's own answer.
+    Connect(ConnectError),
+}
+
+impl From<RuntimeError> for CallError {
+    fn from(e: RuntimeError) -> Self {
+        CallError::Runtime(e)
+    }
+}
+
+impl From<crate::SandboxError> for CallError {
+    fn from(e: crate::SandboxError) -> Self {
+        CallError::Runtime(e.into())
+    }
+}
+
+impl From<ConnectError> for CallError {
+    fn from(e: ConnectError) -> Self {
+        CallError::Connect(e)
+    }
+}
+
+/// Runs `f` with sandbox `id`'s agent handle (a call slot held) on a blocking thread.
+pub(crate) async fn agent<T: Send + 'static>(
+    st: &E2bState,
+    id: &str,
+    call: &'static str,
+    args: serde_json::Value,
+    f: impl FnOnce(&crate::Sandbox) -> Result<T, CallError> + Send + 'static,
+) -> Result<T, ConnectError> {
+    let sid = id.to_string();
+    let r = st
+        .app
+        .spawn(move |b| {
+            // The closure's own Connect error travels out beside the runtime's.
+            let mut own = None;
+            let r = crate::api::backend::with_sandbox(b, &sid, call, args, |sb| match f(sb) {
+                Ok(v) => Ok(Some(v)),
+                Err(e) => match e {
+                    CallError::Runtime(e) => Err(e),
+                    CallError::Connect(e) => {
+                        own = Some(e);
+                        Ok(None)
+                    }
+                },
+            });
+            Ok((r, own))
+        })
+        .await;
+    match r {
+        Ok(Ok((Ok(Some(v)), _))) => Ok(v),
+        Ok(Ok((Ok(None), Some(e)))) => Err(e),
+        Ok(Ok((Ok(None), None))) => Err(ConnectError::internal("the call produced nothing")),
+        Ok(Ok((Err(e), _))) | Ok(Err(e)) => {
+            st.rpc.note_error(id, &e);
+            Err(rt_error(e))
+        }
+        Err(e) => Err(ConnectError::internal(format!("the call failed: {e}"))),
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
