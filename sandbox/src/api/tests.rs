@@ -344,7 +344,11 @@ fn req(method: &str, uri: &str, body: impl Into<Body>) -> Request<Body> {
         .unwrap()
 }
 
-async fn send(app: &Router, r: Request<Body>) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
+/// Sends `r` to `app`: status, headers, whole body.
+pub(crate) async fn send(
+    app: &Router,
+    r: Request<Body>,
+) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
     let resp = app.clone().oneshot(r).await.unwrap();
     let status = resp.status();
     let headers = resp.headers().clone();

@@ -382,19 +382,7 @@ mod tests {
         b
     }
 
-    async fn send(
-        app: &Router,
-        r: HttpRequest<Body>,
-    ) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
-        let resp = app.clone().oneshot(r).await.unwrap();
-        let status = resp.status();
-        let headers = resp.headers().clone();
-        let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
-            .await
-            .unwrap_or_default()
-            .to_vec();
-        (status, headers, body)
-    }
+    use crate::api::tests::send;
 
     async fn send_json(app: &Router, r: HttpRequest<Body>) -> (StatusCode, Value) {
         let (s, _, b) = send(app, r).await;

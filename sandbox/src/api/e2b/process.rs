@@ -390,15 +390,7 @@ async fn unary(st: &E2bState, id: &str, method: &str, req: Request) -> Result<Va
             _ => Err(ConnectError::new(Code::Unimplemented, method.to_string())),
         }
     };
-    match deadline {
-        Some(d) => tokio::time::timeout(d, work).await.unwrap_or_else(|_| {
-            Err(ConnectError::new(
-                Code::DeadlineExceeded,
-                format!("the call took longer than its timeout of {d:?}"),
-            ))
-        }),
-        None => work.await,
-    }
+    super::within(deadline, work).await
 }
 
 /// The pid a selector names.

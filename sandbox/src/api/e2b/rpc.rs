@@ -256,6 +256,23 @@ pub(crate) async fn agent<T: Send + 'static>(
     }
 }
 
+/// `work`, cut off with `deadline_exceeded` after `deadline` (a unary call's
+/// `Connect-Timeout-Ms`).
+pub(crate) async fn within<T>(
+    deadline: Option<std::time::Duration>,
+    work: impl std::future::Future<Output = Result<T, ConnectError>>,
+) -> Result<T, ConnectError> {
+    match deadline {
+        Some(d) => tokio::time::timeout(d, work).await.unwrap_or_else(|_| {
+            Err(ConnectError::new(
+                Code::DeadlineExceeded,
+                format!("the call took longer than its timeout of {d:?}"),
+            ))
+        }),
+        None => work.await,
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
