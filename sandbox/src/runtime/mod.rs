@@ -436,6 +436,8 @@ impl Drop for Inner {
                     vm.sandbox.detach();
                 }
             }
+            // Only empty parents go (a running sandbox's cgroup keeps its parent busy).
+            jailed::remove_cgroup_parents(&self.cfg);
             return;
         }
         let slots: Vec<Arc<Slot>> = lock(&self.slots).values().cloned().collect();
