@@ -5,6 +5,7 @@
 //! | `ember.run=<b64>` | standard base64 of a shell command, padding optional | run it as `/bin/sh -c <cmd>`, then reboot |
 //! | `ember.quiet` | none, or `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off` | suppress informational lines |
 //! | `ember.agent` | none, or a vsock port (decimal) | serve the sandbox protocol on that port (default [`DEFAULT_PORT`]) instead of rebooting; after `ember.run`'s command if both are given |
+//! | `ember.net` | `ADDR/PREFIX,GATEWAY` (IPv4) | bring up `lo` and `eth0` with that address, a default route and the gateway as resolver ([`crate::netcfg`]) |
 //!
 //! Any other `ember.*` key is ignored with a warning; keys outside the `ember.` namespace belong to
 //! the kernel and are skipped silently. A key given twice keeps the last value (as the kernel does),
@@ -28,6 +29,8 @@ pub const RUN_KEY: &str = "ember.run";
 pub const QUIET_KEY: &str = "ember.quiet";
 /// Key that makes PID 1 serve the sandbox protocol on a vsock port.
 pub const AGENT_KEY: &str = "ember.agent";
+/// Key that configures the guest's network interface.
+pub const NET_KEY: &str = "ember.net";
 
 /// What the guest was told to do at boot.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -38,6 +41,8 @@ pub struct BootConfig {
     pub quiet: bool,
     /// Serve the sandbox protocol on this vsock port (after the command, if any).
     pub agent: Option<u32>,
+    /// Configure `eth0` (before the command and the agent).
+    pub net: Option<crate::netcfg::NetSpec>,
     /// Things that were ignored; the boot goes on.
     pub warnings: Vec<CmdlineWarning>,
 }
@@ -78,6 +83,16 @@ pub enum CmdlineError {
         key: &'static str,
         /// The value as given (shortened if long).
         value: String,
+    },
+    /// `ember.net` is not `ADDR/PREFIX,GATEWAY`.
+    #[error("{key}={value:?}: {reason} (expected ADDR/PREFIX,GATEWAY, e.g. 10.0.0.2/30,10.0.0.1)")]
+    BadNet {
+        /// The key.
+        key: &'static str,
+        /// The value as given (shortened if long).
+        value: String,
+        /// What is wrong.
+        reason: String,
     },
     /// The decoded command contains a NUL byte, which no `execve` argument can carry.
     #[error("{key}: the decoded command contains a NUL byte at offset {offset}")]
@@ -203,6 +218,7 @@ pub fn parse(cmdline: &str) -> Result<BootConfig, CmdlineError> {
     let mut run_value: Option<Option<&str>> = None;
     let mut seen_quiet = false;
     let mut agent_value: Option<Option<&str>> = None;
+    let mut net_value: Option<Option<&str>> = None;
 
     for arg in split(cmdline) {
         if !arg.key.starts_with(PREFIX) {
@@ -241,6 +257,14 @@ pub fn parse(cmdline: &str) -> Result<BootConfig, CmdlineError> {
                 }
                 agent_value = Some(arg.value);
             }
+            NET_KEY => {
+                if net_value.is_some() {
+                    config
+                        .warnings
+                        .push(CmdlineWarning::Repeated { key: NET_KEY });
+                }
+                net_value = Some(arg.value);
+            }
             other => config.warnings.push(CmdlineWarning::UnknownKey {
                 key: other.to_owned(),
             }),
@@ -252,6 +276,15 @@ pub fn parse(cmdline: &str) -> Result<BootConfig, CmdlineError> {
     }
     if let Some(value) = agent_value {
         config.agent = Some(parse_port(AGENT_KEY, value)?);
+    }
+    if let Some(value) = net_value {
+        let value = value.unwrap_or_default();
+        let spec = value.parse().map_err(|reason| CmdlineError::BadNet {
+            key: NET_KEY,
+            value: shorten(value),
+            reason,
+        })?;
+        config.net = Some(spec);
     }
     Ok(config)
 }
@@ -354,6 +387,20 @@ mod tests {
         );
         // An unterminated quote runs to the end, as in the kernel.
         assert_eq!(args(r#"a="x y"#), vec![kv("a", Some("x y"))]);
+    }
+
+    #[test]
+    fn parses_the_network_key() {
+        let config = parse("ember.agent ember.net=10.0.2.2/30,10.0.2.1").unwrap();
+        let net = config.net.unwrap();
+        assert_eq!(net.addr.to_string(), "10.0.2.2");
+        assert_eq!(net.gateway.to_string(), "10.0.2.1");
+        assert!(parse("").unwrap().net.is_none());
+        for bad in ["ember.net", "ember.net=", "ember.net=10.0.2.2/30", "ember.net=x/30,y"] {
+            let e = parse(bad).unwrap_err();
+            assert!(matches!(e, CmdlineError::BadNet { .. }), "{bad}: {e}");
+            assert!(e.to_string().contains("ADDR/PREFIX,GATEWAY"), "{e}");
+        }
     }
 
     #[test]

@@ -422,6 +422,9 @@ pub fn run() -> Result<std::convert::Infallible, NotPid1> {
     for warning in &config.warnings {
         console.warn(format_args!("{warning}"));
     }
+    if let Err(e) = crate::netcfg::configure(config.net.as_ref()) {
+        console.error(format_args!("{e}"));
+    }
     if let Some(command) = &config.run {
         match process::spawn_shell(command.as_bytes()) {
             Ok(pid) => match process::wait_for(pid, true) {

@@ -21,6 +21,7 @@ pub mod exec;
 pub mod files;
 pub mod init;
 pub mod marker;
+pub mod netcfg;
 pub mod process;
 pub mod procs;
 pub mod protocol;
