@@ -6,6 +6,11 @@
 
 pub mod boot;
 pub mod clones;
+pub mod compare;
 pub mod devices;
+pub mod plot;
+pub mod qemu;
+pub mod record;
+pub mod report;
 pub mod restore;
 pub mod stats;
