@@ -284,6 +284,13 @@ pub fn html(lines: &[Line], plots: &[(String, Plotted)]) -> String {
             }
         }
     }
+    // A self-check for headless loads: every embedded plot decoded (`data-images` on body).
+    h.push_str(
+        "<script>window.addEventListener('load',function(){var im=document.images,bad=0;\
+         for(var i=0;i<im.length;i++){if(!im[i].complete||im[i].naturalWidth===0){bad++;}}\
+         document.body.setAttribute('data-images',bad?'broken '+bad:'ok '+im.length);\
+         if(bad){console.error('ember report: '+bad+' plot(s) did not decode');}});</script>\n",
+    );
     h.push_str("</body></html>\n");
     h
 }

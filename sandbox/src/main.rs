@@ -148,6 +148,11 @@ enum BenchCmd {
     /// Runtime + HTTP server end to end: create → first result vs bare restore → ping,
     /// run_code round trip vs the library in-process, creates/s, host memory per idle sandbox.
     Api(cli::bench_api::BenchApiArgs),
+    /// Every scenario (boot, restore, sandbox, rtt, parallel, density, pause) beside the peers
+    /// that run here: tables, JSON lines of every sample, CDF plots and an HTML report.
+    All(cli::bench_all::BenchAllArgs),
+    /// Compare two `ember bench all` records (samples.jsonl) with a Mann–Whitney U test.
+    Compare(cli::bench_all::BenchCompareArgs),
 }
 
 #[derive(Debug, Args)]
@@ -945,6 +950,8 @@ fn main() -> ExitCode {
         Cmd::Bench(BenchCmd::Devices(a)) => bench_devices(a),
         Cmd::Bench(BenchCmd::Sandbox(a)) => cli::bench_sandbox::main(a),
         Cmd::Bench(BenchCmd::Api(a)) => cli::bench_api::main(a),
+        Cmd::Bench(BenchCmd::All(a)) => cli::bench_all::main(a),
+        Cmd::Bench(BenchCmd::Compare(a)) => cli::bench_all::compare_main(a),
         Cmd::Images { template } => {
             let k = images::default_kernel();
             let r = images::default_rootfs(&template);

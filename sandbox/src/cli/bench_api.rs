@@ -141,7 +141,7 @@ pub enum BenchApiError {
     Interrupted,
 }
 
-type Result<T, E = BenchApiError> = std::result::Result<T, E>;
+pub(crate) type Result<T, E = BenchApiError> = std::result::Result<T, E>;
 
 fn api_err(what: impl Into<String>) -> impl FnOnce(ClientError) -> BenchApiError {
     let what = what.into();
@@ -153,13 +153,13 @@ fn io_err(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Ben
     move |source| BenchApiError::Io { what, path, source }
 }
 
-fn ms_since(t0: Instant) -> f64 {
+pub(crate) fn ms_since(t0: Instant) -> f64 {
     t0.elapsed().as_secs_f64() * 1e3
 }
 
 // ----- Ctrl-C -----
 
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+pub(crate) static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_sigint(_: libc::c_int) {
     if INTERRUPTED.swap(true, Ordering::SeqCst) {
@@ -170,13 +170,13 @@ extern "C" fn on_sigint(_: libc::c_int) {
 
 /// A first SIGINT sets [`INTERRUPTED`] (the bench stops at its next step and cleans up); a
 /// second one exits at once.
-fn catch_sigint() {
+pub(crate) fn catch_sigint() {
     let handler: extern "C" fn(libc::c_int) = on_sigint;
     // SAFETY: the handler only swaps an atomic and calls _exit, both async-signal-safe.
     unsafe { libc::signal(libc::SIGINT, handler as libc::sighandler_t) };
 }
 
-fn check_interrupt() -> Result<()> {
+pub(crate) fn check_interrupt() -> Result<()> {
     if INTERRUPTED.load(Ordering::SeqCst) {
         Err(BenchApiError::Interrupted)
     } else {
@@ -184,7 +184,7 @@ fn check_interrupt() -> Result<()> {
     }
 }
 
-fn sleep_interruptibly(d: Duration) -> Result<()> {
+pub(crate) fn sleep_interruptibly(d: Duration) -> Result<()> {
     let t0 = Instant::now();
     while t0.elapsed() < d {
         check_interrupt()?;
@@ -197,17 +197,17 @@ fn sleep_interruptibly(d: Duration) -> Result<()> {
 
 /// The server started in-process: its runtime, its thread and its temporary home.
 #[derive(Debug)]
-struct Local {
-    rt: Option<Runtime>,
+pub(crate) struct Local {
+    pub(crate) rt: Option<Runtime>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<Result<(), String>>>,
-    home: Option<tempfile::TempDir>,
+    pub(crate) home: Option<tempfile::TempDir>,
 }
 
 impl Local {
     /// Opens a runtime on a temporary home and serves it on a free loopback port; returns
     /// the server's address and token.
-    fn start() -> Result<(Local, SocketAddr, String)> {
+    pub(crate) fn start() -> Result<(Local, SocketAddr, String)> {
         let tmp = std::env::temp_dir();
         let home = tempfile::Builder::new()
             .prefix("ember-bench-api-")
@@ -283,7 +283,7 @@ impl Local {
     }
 
     /// Stops the server, drops the runtime (killing what is left) and removes the home.
-    fn shut_down(&mut self) -> Vec<String> {
+    pub(crate) fn shut_down(&mut self) -> Vec<String> {
         let mut problems = Vec::new();
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
@@ -320,21 +320,21 @@ impl Drop for Local {
 
 /// Ids of the sandboxes this bench created and has not killed yet.
 #[derive(Debug, Default)]
-struct Tracker(Mutex<BTreeSet<String>>);
+pub(crate) struct Tracker(Mutex<BTreeSet<String>>);
 
 impl Tracker {
-    fn ids(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
+    pub(crate) fn ids(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
 /// The server under test and how to reach it.
 #[derive(Debug)]
-struct Target {
-    client: Client,
+pub(crate) struct Target {
+    pub(crate) client: Client,
     /// The in-process runtime (for the library comparison), when the server is ours.
-    local: Option<Local>,
-    tracker: Tracker,
+    pub(crate) local: Option<Local>,
+    pub(crate) tracker: Tracker,
 }
 
 impl Target {
@@ -343,7 +343,7 @@ impl Target {
     }
 
     /// Creates a sandbox of `template` through the API.
-    fn create(&self, template: &str) -> Result<SandboxInfo> {
+    pub(crate) fn create(&self, template: &str) -> Result<SandboxInfo> {
         check_interrupt()?;
         let req = CreateRequest {
             template: Some(template.to_string()),
@@ -361,7 +361,7 @@ impl Target {
     }
 
     /// Kills a sandbox through the API.
-    fn kill(&self, id: &str) -> Result<()> {
+    pub(crate) fn kill(&self, id: &str) -> Result<()> {
         self.client
             .kill(id)
             .map_err(api_err(format!("kill sandbox {id}")))?;
@@ -370,7 +370,7 @@ impl Target {
     }
 
     /// Kills every sandbox still tracked; returns what failed.
-    fn kill_all(&self) -> Vec<String> {
+    pub(crate) fn kill_all(&self) -> Vec<String> {
         let ids: Vec<String> = self.tracker.ids().iter().cloned().collect();
         ids.iter()
             .filter_map(|id| self.kill(id).err().map(|e| e.to_string()))
@@ -391,7 +391,7 @@ impl Drop for Reaper {
 }
 
 /// Spawn `ember-vmm --restore` of the template's snapshot → agent `ping` answered, ms.
-fn bare_restore_ping(t: &Template, vmm: &Path) -> Result<f64> {
+pub(crate) fn bare_restore_ping(t: &Template, vmm: &Path) -> Result<f64> {
     let tmp = std::env::temp_dir();
     let dir = tempfile::Builder::new()
         .prefix("ember-bench-bare-")
@@ -470,7 +470,7 @@ fn code_path(id: &str) -> String {
 
 /// `POST /code` with `code`; returns (ms until the `result` line, its `text/plain`).
 /// Checks that the call ended `ok`.
-fn api_run(c: &Client, id: &str, code: &str, t0: Instant) -> Result<(f64, String)> {
+pub(crate) fn api_run(c: &Client, id: &str, code: &str, t0: Instant) -> Result<(f64, String)> {
     let mut result = None;
     let last = c
         .stream(&code_path(id), &json!({ "code": code }), &mut |v| {
@@ -493,7 +493,7 @@ fn api_run(c: &Client, id: &str, code: &str, t0: Instant) -> Result<(f64, String
 
 /// One API sandbox: (create answered, runtime's jailed spawn → synced, create → first `1+1`
 /// result), ms. The sandbox is killed before returning.
-fn api_first_result(target: &Target, template: &str) -> Result<[f64; 3]> {
+pub(crate) fn api_first_result(target: &Target, template: &str) -> Result<[f64; 3]> {
     let t0 = Instant::now();
     let info = target.create(template)?;
     let created = ms_since(t0);
@@ -542,9 +542,9 @@ fn library_run(rt: &Runtime, id: &str) -> Result<f64> {
 
 /// Memory of one VMM process, KiB, from `/proc/PID/smaps`.
 #[derive(Debug, Default, Clone, Copy)]
-struct VmmMemory {
+pub(crate) struct VmmMemory {
     rss: u64,
-    pss: u64,
+    pub(crate) pss: u64,
     private: u64,
     guest_rss: u64,
     guest_pss: u64,
@@ -559,7 +559,7 @@ fn is_guest_memory(path: &str) -> bool {
     Path::new(path).file_name().is_some_and(|n| n == "memory")
 }
 
-fn vmm_memory(pid: u32) -> Result<VmmMemory> {
+pub(crate) fn vmm_memory(pid: u32) -> Result<VmmMemory> {
     let path = PathBuf::from(format!("/proc/{pid}/smaps"));
     let text = std::fs::read_to_string(&path).map_err(io_err("cannot read", &path))?;
     let mut m = VmmMemory::default();
@@ -643,16 +643,23 @@ fn idle_memory(
 
 /// One concurrency level of the creation rate.
 #[derive(Debug)]
-struct Rate {
+pub(crate) struct Rate {
     clients: usize,
-    creates: usize,
-    wall_s: f64,
+    pub(crate) creates: usize,
+    pub(crate) wall_s: f64,
+    /// Every create's latency, ms.
+    pub(crate) create_samples: Vec<f64>,
     create: Option<Summary>,
     kill: Option<Summary>,
 }
 
 /// `clients` threads, each creating and killing `per_client` sandboxes in a loop.
-fn create_rate(target: &Target, template: &str, clients: usize, per_client: usize) -> Result<Rate> {
+pub(crate) fn create_rate(
+    target: &Target,
+    template: &str,
+    clients: usize,
+    per_client: usize,
+) -> Result<Rate> {
     let t0 = Instant::now();
     let results: Vec<Result<Vec<(f64, f64)>>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..clients)
@@ -691,6 +698,7 @@ fn create_rate(target: &Target, template: &str, clients: usize, per_client: usiz
         clients,
         creates: samples.len(),
         wall_s,
+        create_samples: create.clone(),
         create: summarize(&create),
         kill: summarize(&kill),
     })

@@ -1,6 +1,7 @@
 //! `ember` subcommands, one file per group (the older `vm`/`bench` groups still live in
 //! `main.rs`).
 
+pub mod bench_all;
 pub mod bench_api;
 pub mod bench_sandbox;
 pub mod remote;
