@@ -10,6 +10,9 @@
 //! - [`MEMORY_DIFF_FILE`] for diff snapshots: only the dirty pages ([`write_diff`],
 //!   [`write_diff_regions`]), with a [`PageSet`] saved in the state saying which, so
 //!   [`merge_diff`] can fold it onto its base.
+//! - [`LAYER_FILE`] for layered snapshots ([`layer`]): the memory file holds only the pages a
+//!   restored VM changed; the layer names the base memory file under them (and
+//!   [`BASE_MEMORY_FILE`], a hard link to it, keeps it alive).
 //!
 //! [`SnapshotWriter`] builds the directory under a temporary name and renames it into place on
 //! commit, so a crash never leaves a partial snapshot at the final name. Components implement
@@ -39,6 +42,7 @@
 
 pub mod dir;
 mod fsutil;
+pub mod layer;
 pub mod memory;
 pub mod pageset;
 pub mod persist;
@@ -47,6 +51,10 @@ pub mod state;
 pub use dir::{
     remove_temp_dirs, DirError, SnapshotDir, SnapshotWriter, MEMORY_DIFF_FILE, MEMORY_FILE,
     STATE_FILE,
+};
+pub use layer::{
+    link_base, open_base, read_layer, write_layer, BaseIdentity, LayerError, LayerState,
+    BASE_MEMORY_FILE, LAYER_FILE,
 };
 pub use memory::{
     check_memory_file, merge_diff, write_diff, write_diff_regions, write_full, MemoryError,

@@ -6,6 +6,7 @@
 //! {"op":"pause"}                                  → {"ok":true}
 //! {"op":"resume"}                                 → {"ok":true}
 //! {"op":"snapshot","dir":"/s","kind":"full"}      → {"ok":true,"dir":"/s","ms":…}
+//! {"op":"snapshot","dir":"/s","kind":"layer","after":"exit"} → {"ok":true,…}  (kind: full|diff|layer)
 //! {"op":"stats"}                                  → {"ok":true,"stats":{…}}
 //! {"op":"shutdown"}                               → {"ok":true}   (then the VMM exits 0)
 //! ```
@@ -45,6 +46,10 @@ pub enum SnapshotKind {
     Full,
     /// Only pages dirtied since the previous snapshot of this VM.
     Diff,
+    /// Only the pages that differ from the memory file this (restored) VM was restored
+    /// from, plus a reference to that file: restorable alone while the base exists
+    /// (`crate::layer`). Refused for a VM that was booted, not restored.
+    Layer,
 }
 
 /// A control request.

@@ -12,6 +12,7 @@ pub mod console;
 pub mod cpu;
 pub mod device_manager;
 pub mod launcher;
+pub mod layer;
 pub mod logging;
 pub mod memory;
 pub mod report;

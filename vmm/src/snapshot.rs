@@ -51,6 +51,12 @@ pub enum SnapshotError {
     /// KVM state.
     #[error(transparent)]
     Kvm(#[from] vstate::StateError),
+    /// A layered snapshot's layer description or base memory file.
+    #[error(transparent)]
+    Layer(#[from] ember_snapshot::LayerError),
+    /// Finding written pages, or laying a layer over guest memory.
+    #[error(transparent)]
+    LayerMemory(#[from] crate::layer::LayerError),
     /// The snapshot does not fit this host or request.
     #[error("snapshot {dir}: {reason}")]
     Incompatible {
@@ -204,6 +210,11 @@ pub fn merge_snapshot(diff: &Path, out: &Path) -> Result<SnapshotInfo, SnapshotE
             reason: "is a full snapshot already; nothing to merge".into(),
         });
     };
+    if let Some(layer) = ember_snapshot::read_layer(diff)? {
+        // A layer names its base memory file itself (no parent state to read).
+        let (base, _) = ember_snapshot::open_base(diff, &layer)?;
+        return merge_onto(diff, out, &state, &base, &d.pages);
+    }
     let parent_state: VmState = ember_snapshot::read_state(d.parent.join(STATE_FILE))?;
     if parent_state.memory_diff.is_some() {
         return Err(SnapshotError::Incompatible {
@@ -219,12 +230,31 @@ pub fn merge_snapshot(diff: &Path, out: &Path) -> Result<SnapshotInfo, SnapshotE
             reason: format!("memory size {total} does not match the parent's {parent_total}"),
         });
     }
-    ember_snapshot::check_memory_file(d.parent.join(MEMORY_FILE), total)?;
+    merge_onto(diff, out, &state, &d.parent.join(MEMORY_FILE), &d.pages)
+}
+
+/// Writes the full snapshot `out`: the memory file `base` with the `pages` of `diff`'s memory
+/// on top, `state` (already without its diff), and `diff`'s disk copies.
+fn merge_onto(
+    diff: &Path,
+    out: &Path,
+    state: &VmState,
+    base: &Path,
+    pages: &ember_snapshot::PageSet,
+) -> Result<SnapshotInfo, SnapshotError> {
+    let total: u64 = state.memory.iter().map(|r| r.len).sum();
+    if pages.len_pages() != ember_snapshot::pages_for(total) {
+        return Err(SnapshotError::Incompatible {
+            dir: diff.to_path_buf(),
+            reason: format!("its page list does not cover its {total} bytes of memory"),
+        });
+    }
+    ember_snapshot::check_memory_file(base, total)?;
     ember_snapshot::check_memory_file(diff.join(MEMORY_FILE), total)?;
     let writer = SnapshotWriter::create(out)?;
     let mem = writer.path(MEMORY_FILE)?;
-    sparse_copy(&d.parent.join(MEMORY_FILE), &mem)?;
-    let stats = ember_snapshot::merge_diff(&mem, diff.join(MEMORY_FILE), &d.pages)?;
+    sparse_copy(base, &mem)?;
+    let stats = ember_snapshot::merge_diff(&mem, diff.join(MEMORY_FILE), pages)?;
     for entry in std::fs::read_dir(diff).map_err(|source| SnapshotError::Io {
         what: "cannot list",
         path: diff.to_path_buf(),
@@ -243,13 +273,14 @@ pub fn merge_snapshot(diff: &Path, out: &Path) -> Result<SnapshotInfo, SnapshotE
         }
     }
     let state_path = writer.path(STATE_FILE)?;
-    ember_snapshot::write_state(&state_path, &state)?;
+    ember_snapshot::write_state(&state_path, state)?;
     let state_bytes = std::fs::metadata(&state_path).map(|m| m.len()).unwrap_or(0);
     writer.commit()?;
     Ok(SnapshotInfo {
         memory_bytes_written: stats.bytes_written,
         memory_file_len: total,
         state_bytes,
+        layer: None,
     })
 }
 
@@ -314,6 +345,26 @@ pub struct SnapshotInfo {
     pub memory_file_len: u64,
     /// Size of the state file.
     pub state_bytes: u64,
+    /// For a layered snapshot: what it holds and what finding it cost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layer: Option<LayerInfo>,
+}
+
+/// What a layered snapshot holds.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LayerInfo {
+    /// Pages in the layer (they differ from the base).
+    pub pages: u64,
+    /// Of those, pages pagemap showed as private copies.
+    pub written_pages: u64,
+    /// Of those, pages carried from the layer this VM was restored from.
+    pub carried_pages: u64,
+    /// pagemap entries read.
+    pub scanned_pages: u64,
+    /// Time to find the pages.
+    pub scan_ms: f64,
+    /// The base memory file (as this VMM sees it).
+    pub base: PathBuf,
 }
 
 /// The host-side view of guest RAM as byte slices.
@@ -342,6 +393,7 @@ pub fn write_snapshot(
 ) -> Result<SnapshotInfo, SnapshotError> {
     let diff_parent = match kind {
         crate::api::SnapshotKind::Full => None,
+        crate::api::SnapshotKind::Layer => return write_layered(vm, vcpu_states, dir),
         crate::api::SnapshotKind::Diff => {
             if !vm.config.track_dirty_pages {
                 return Err(SnapshotError::Unsupported(
@@ -366,19 +418,7 @@ pub fn write_snapshot(
     }
     let writer = SnapshotWriter::create(dir)?;
     // SAFETY: the vCPUs are paused (we hold their states) and this is the event-loop thread.
-    let slices = unsafe { memory_slices(&vm.memory) };
-    let mut regions = Vec::with_capacity(slices.len());
-    let mut refs = Vec::with_capacity(slices.len());
-    let mut off = 0u64;
-    for (gpa, bytes) in &slices {
-        regions.push(MemoryRegionState {
-            guest_phys_addr: *gpa,
-            len: bytes.len() as u64,
-            file_offset: off,
-        });
-        refs.push(MemoryRegionRef::new(*gpa, off, bytes));
-        off += bytes.len() as u64;
-    }
+    let (regions, refs) = unsafe { memory_layout(&vm.memory) };
     // With tracking on, every snapshot restarts the dirty logs (the next diff is relative to
     // this snapshot).
     let dirty = if vm.config.track_dirty_pages {
@@ -396,6 +436,121 @@ pub fn write_snapshot(
             None,
         ),
     };
+    let state_bytes = write_state_and_disks(vm, vcpu_states, &writer, regions, memory_diff)?;
+    writer.commit()?;
+    Ok(SnapshotInfo {
+        memory_bytes_written: stats.bytes_written,
+        memory_file_len: stats.file_len,
+        state_bytes,
+        layer: None,
+    })
+}
+
+/// Guest memory's layout in the memory file (regions back to back) and the regions as
+/// byte slices.
+///
+/// # Safety
+/// As [`memory_slices`]: nothing may write guest memory while the references live.
+unsafe fn memory_layout(
+    mem: &GuestMemoryMmap,
+) -> (Vec<MemoryRegionState>, Vec<MemoryRegionRef<'_>>) {
+    // SAFETY: the caller's guarantee, passed on.
+    let slices = unsafe { memory_slices(mem) };
+    let mut regions = Vec::with_capacity(slices.len());
+    let mut refs = Vec::with_capacity(slices.len());
+    let mut off = 0u64;
+    for (gpa, bytes) in slices {
+        regions.push(MemoryRegionState {
+            guest_phys_addr: gpa,
+            len: bytes.len() as u64,
+            file_offset: off,
+        });
+        refs.push(MemoryRegionRef::new(gpa, off, bytes));
+        off += bytes.len() as u64;
+    }
+    (regions, refs)
+}
+
+/// Writes a layered snapshot of `vm` (restored from a snapshot, vCPUs paused with
+/// `vcpu_states`) into `dir`: only the pages that differ from the memory file it was
+/// restored from, the page list (as `memory_diff`, so builds without layers refuse it) and
+/// the base's identity in [`ember_snapshot::LAYER_FILE`].
+fn write_layered(
+    vm: &Vm,
+    vcpu_states: &[VcpuState],
+    dir: &Path,
+) -> Result<SnapshotInfo, SnapshotError> {
+    let origin = crate::layer::origin_of(&vm.memory).ok_or_else(|| {
+        SnapshotError::Unsupported(
+            "a layered snapshot needs a VM restored from a snapshot (this one was booted)".into(),
+        )
+    })?;
+    if vcpu_states.len() != usize::from(vm.vcpu_count) {
+        return Err(SnapshotError::Unsupported(format!(
+            "{} of {} vCPU states captured",
+            vcpu_states.len(),
+            vm.vcpu_count
+        )));
+    }
+    let t = std::time::Instant::now();
+    let (mut pages, scanned) = crate::layer::written_pages(&vm.memory)?;
+    let written = pages.count();
+    pages
+        .union_with(&origin.carried)
+        .map_err(crate::layer::LayerError::from)?;
+    let scan_ms = t.elapsed().as_secs_f64() * 1e3;
+    // Dirty logs restart here too, as after any snapshot.
+    if vm.config.track_dirty_pages {
+        take_dirty_pages(vm)?;
+    }
+    let writer = SnapshotWriter::create(dir)?;
+    // SAFETY: the vCPUs are paused (we hold their states) and this is the event-loop thread.
+    let (regions, refs) = unsafe { memory_layout(&vm.memory) };
+    let stats = ember_snapshot::write_diff_regions(writer.path(MEMORY_FILE)?, &refs, &pages)?;
+    let layer = ember_snapshot::LayerState {
+        base_path: origin.base_path.clone(),
+        base: origin.base,
+        pages: pages.count(),
+    };
+    ember_snapshot::write_layer(writer.path(ember_snapshot::LAYER_FILE)?, &layer)?;
+    let parent = origin
+        .base_path
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
+    let info = LayerInfo {
+        pages: pages.count(),
+        written_pages: written,
+        carried_pages: origin.carried.count(),
+        scanned_pages: scanned,
+        scan_ms,
+        base: origin.base_path.clone(),
+    };
+    let state_bytes = write_state_and_disks(
+        vm,
+        vcpu_states,
+        &writer,
+        regions,
+        Some(MemoryDiff { parent, pages }),
+    )?;
+    writer.commit()?;
+    Ok(SnapshotInfo {
+        memory_bytes_written: stats.bytes_written,
+        memory_file_len: stats.file_len,
+        state_bytes,
+        layer: Some(info),
+    })
+}
+
+/// Writes the state file (and copies of overlay disks) of a snapshot being built in `writer`.
+/// Returns the state file's size.
+fn write_state_and_disks(
+    vm: &Vm,
+    vcpu_states: &[VcpuState],
+    writer: &SnapshotWriter,
+    regions: Vec<MemoryRegionState>,
+    memory_diff: Option<MemoryDiff>,
+) -> Result<u64, SnapshotError> {
     let serial = vm
         .devices
         .serial
@@ -458,13 +613,7 @@ pub fn write_snapshot(
     };
     let state_path = writer.path(STATE_FILE)?;
     ember_snapshot::write_state(&state_path, &state)?;
-    let state_bytes = std::fs::metadata(&state_path).map(|m| m.len()).unwrap_or(0);
-    writer.commit()?;
-    Ok(SnapshotInfo {
-        memory_bytes_written: stats.bytes_written,
-        memory_file_len: stats.file_len,
-        state_bytes,
-    })
+    Ok(std::fs::metadata(&state_path).map(|m| m.len()).unwrap_or(0))
 }
 
 /// What a restore may change about the snapshot's VM.
@@ -501,7 +650,17 @@ pub fn load_state(dir: &Path, opts: &RestoreOptions) -> Result<VmState, Snapshot
         return Err(incompatible("not a directory".into()));
     }
     let state: VmState = ember_snapshot::read_state(dir.join(STATE_FILE))?;
-    if let Some(d) = &state.memory_diff {
+    let layer = ember_snapshot::read_layer(dir)?;
+    if let (Some(d), Some(l)) = (&state.memory_diff, &layer) {
+        if d.pages.count() != l.pages {
+            return Err(incompatible(format!(
+                "the layer lists {} pages, the state {}",
+                l.pages,
+                d.pages.count()
+            )));
+        }
+    }
+    if let (Some(d), None) = (&state.memory_diff, &layer) {
         return Err(incompatible(format!(
             "is a diff snapshot of {} ({} pages): merge it onto its parent first \
              (`ember vm merge-snapshot --diff {} --out NEW_DIR`)",
@@ -564,6 +723,26 @@ pub fn map_memory(
         path: path.clone(),
         source,
     })?;
+    let carried = ember_snapshot::PageSet::new(regions.iter().map(|r| r.len).sum());
+    map_memory_file(dir, &path, file, regions, carried)
+}
+
+/// Maps `file` (at `path`, of the snapshot in `dir`) privately as guest memory, and
+/// remembers it as the memory's base for layered snapshots, with the `carried` pages that
+/// differ from it (those a layer will be mapped over).
+fn map_memory_file(
+    dir: &Path,
+    path: &Path,
+    file: File,
+    regions: &[MemoryRegionState],
+    carried: ember_snapshot::PageSet,
+) -> Result<GuestMemoryMmap, SnapshotError> {
+    let path = path.to_path_buf();
+    let identity = ember_snapshot::BaseIdentity::of(&file).map_err(|source| SnapshotError::Io {
+        what: "cannot stat",
+        path: path.clone(),
+        source,
+    })?;
     let file = Arc::new(file);
     let mut out = Vec::with_capacity(regions.len());
     for r in regions {
@@ -587,12 +766,63 @@ pub fn map_memory(
                     reason: format!("memory region at {:#x} overflows", r.guest_phys_addr),
                 }
             })?;
-        out.push(region);
+        out.push(Arc::new(region));
     }
-    GuestMemoryMmap::from_regions(out).map_err(|e| SnapshotError::Incompatible {
+    let first = out.first().cloned();
+    let mem = GuestMemoryMmap::from_arc_regions(out).map_err(|e| SnapshotError::Incompatible {
         dir: dir.to_path_buf(),
         reason: format!("memory regions: {e}"),
-    })
+    })?;
+    if let Some(first) = first {
+        crate::layer::remember(
+            &first,
+            crate::layer::Origin {
+                base_path: path,
+                base: identity,
+                carried,
+            },
+        );
+    }
+    Ok(mem)
+}
+
+/// Maps the memory of the layered snapshot in `dir`: its base privately, then the layer's
+/// `pages` over it; remembers the base and the pages for the next layered snapshot.
+fn map_layered_memory(
+    dir: &Path,
+    layer: &ember_snapshot::LayerState,
+    pages: &ember_snapshot::PageSet,
+    regions: &[MemoryRegionState],
+    reporter: &Reporter,
+) -> Result<GuestMemoryMmap, SnapshotError> {
+    let (base_path, base) = ember_snapshot::open_base(dir, layer)?;
+    let total: u64 = regions.iter().map(|r| r.len).sum();
+    if layer.base.len != total {
+        return Err(SnapshotError::Incompatible {
+            dir: dir.to_path_buf(),
+            reason: format!(
+                "base memory file {} has {} bytes, guest memory is {total}",
+                base_path.display(),
+                layer.base.len
+            ),
+        });
+    }
+    let mem = map_memory_file(dir, &base_path, base, regions, pages.clone())?;
+    let path = dir.join(MEMORY_FILE);
+    let file = File::open(&path).map_err(|source| SnapshotError::Io {
+        what: "cannot open",
+        path: path.clone(),
+        source,
+    })?;
+    let o = crate::layer::overlay(&mem, &file, &path, pages)?;
+    reporter.event(
+        "layer_restored",
+        serde_json::json!({
+            "pages": o.pages, "runs": o.runs, "mapped": o.mapped,
+            "base": base_path,
+        }),
+    );
+    Ok(mem)
 }
 
 impl Vm {
@@ -614,7 +844,12 @@ impl Vm {
         };
         let kvm = crate::vm::open_kvm().map_err(build)?;
         steps.mark("open_kvm");
-        let mem = map_memory(dir, &state.memory)?;
+        let mem = match (&state.memory_diff, ember_snapshot::read_layer(dir)?) {
+            (Some(d), Some(layer)) => {
+                map_layered_memory(dir, &layer, &d.pages, &state.memory, &reporter)?
+            }
+            _ => map_memory(dir, &state.memory)?,
+        };
         steps.mark("map_memory");
         prefetch(dir, &mem, opts.prefetch, &reporter);
         let vm_fd = kvm.create_vm().map_err(|source| {
