@@ -364,11 +364,15 @@ fn boot(cx: &Ctx<'_>) -> Res<()> {
     }
     let mut qm = cx.qemu.clone().map(|bin| QemuBoot {
         bin,
-        kernel: qemu::kernel_for(&cx.kernel),
+        kernel: cx.kernel.clone(),
         rootfs: cx.rootfs.clone(),
         mem_mib: cx.a.mem_mib,
         vcpus: 1,
         cmdline_extra: cx.profile.cmdline().to_string(),
+        cpu: match cx.profile {
+            CpuProfile::Pvm => "host,-cx16".into(),
+            _ => "host".into(),
+        },
         timeout: Duration::from_secs(600),
     });
     for i in 0..plan.warmup + plan.n {
