@@ -20,6 +20,7 @@ pub mod e2b;
 pub mod error;
 pub mod metrics;
 pub mod openapi;
+pub mod proxy;
 pub mod routes;
 pub mod stream;
 pub mod types;
