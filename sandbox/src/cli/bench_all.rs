@@ -1116,15 +1116,12 @@ pub fn main(a: BenchAllArgs) -> ExitCode {
         return fail(e);
     }
     let mut problems = Vec::new();
-    let scenarios_wanted = |s: Scenario| scenarios.contains(&s);
-    if scenarios_wanted(Scenario::Boot) || scenarios_wanted(Scenario::Restore) {
-        if cx.qemu.is_none() && !a.no_qemu {
-            let _ = cx.skip(
-                "boot",
-                "qemu",
-                "qemu-system-x86_64 is not installed (Debian: apt-get install qemu-system-x86)",
-            );
-        }
+    if scenarios.contains(&Scenario::Boot) && cx.qemu.is_none() && !a.no_qemu {
+        let _ = cx.skip(
+            "boot",
+            "qemu",
+            "qemu-system-x86_64 is not installed (Debian: apt-get install qemu-system-x86)",
+        );
     }
     let mut target: Option<Target> = None;
     for &s in &scenarios {
