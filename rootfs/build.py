@@ -275,8 +275,14 @@ def positive_int(tbl: dict, key: str, default, where: str, minimum: int, maximum
 
 
 def load_vm(vm: dict, where: str) -> dict:
-    check_keys(vm, {"vcpus", "memory_mib", "disk_mib"}, where)
+    check_keys(vm, {"vcpus", "memory_mib", "disk_mib", "network"}, where)
+    network = vm.get("network", True)
+    if not isinstance(network, bool):
+        raise BuildError(f"{where}: network must be true or false (got {network!r})")
     return {
+        # A virtio-net device on the guest side (eth0, configured at boot by the agent):
+        # sandboxes of the template get a network namespace and a policy (default: none).
+        "network": network,
         "vcpus": positive_int(vm, "vcpus", DEFAULT_VCPUS, where, 1, 64),
         "memory_mib": positive_int(vm, "memory_mib", DEFAULT_MEMORY_MIB, where, 64, 1 << 20),
         # None: sized to the content (+ headroom) at build time.
@@ -391,7 +397,8 @@ def template_part(recipe: dict) -> dict:
     return {
         "template": recipe["name"],
         "description": recipe["description"],
-        "vm": {"vcpus": recipe["vm"]["vcpus"], "memory_mib": recipe["vm"]["memory_mib"]},
+        "vm": {"vcpus": recipe["vm"]["vcpus"], "memory_mib": recipe["vm"]["memory_mib"],
+               "network": recipe["vm"]["network"]},
         "warmup": recipe["warmup"],
         "env": recipe["env"],
         "outputs": recipe["outputs"],

@@ -43,7 +43,7 @@ class RecipeTests(unittest.TestCase):
         self.assertEqual(recipe["warmup"]["code"], "import json")
         self.assertEqual(recipe["warmup"]["contexts"], [{"id": "default", "language": "python"}])
         self.assertEqual(recipe["warmup"]["spare"], {"python": 1, "bash": 1})
-        self.assertEqual(recipe["vm"], {"vcpus": 1, "memory_mib": 512, "disk_mib": 1024})
+        self.assertEqual(recipe["vm"], {"network": True, "vcpus": 1, "memory_mib": 512, "disk_mib": 1024})
 
     def test_python_data_template_loads(self):
         recipe = build.load_recipe(build.TEMPLATES_DIR / "python-data.toml")
@@ -56,7 +56,7 @@ class RecipeTests(unittest.TestCase):
 
     def test_new_sections_default(self):
         recipe = build.load_recipe(write(self.dir, "t.toml", MINIMAL))
-        self.assertEqual(recipe["vm"], {"vcpus": 1, "memory_mib": 512, "disk_mib": None})
+        self.assertEqual(recipe["vm"], {"network": True, "vcpus": 1, "memory_mib": 512, "disk_mib": None})
         self.assertEqual(recipe["warmup"], {"code": "", "contexts": [{"id": "default", "language": "python"}],
                                             "spare": {"python": 1, "bash": 1}})
         self.assertEqual(recipe["env"], {})
@@ -72,7 +72,7 @@ class RecipeTests(unittest.TestCase):
                 '[checks]\npython = ["import json"]\n')
         recipe = build.load_recipe(write(self.dir, "t.toml", text))
         self.assertEqual(recipe["outputs"], "/workspace/out")
-        self.assertEqual(recipe["vm"], {"vcpus": 2, "memory_mib": 1024, "disk_mib": 900})
+        self.assertEqual(recipe["vm"], {"network": True, "vcpus": 2, "memory_mib": 1024, "disk_mib": 900})
         self.assertEqual(recipe["warmup"]["contexts"], [
             {"id": "default", "language": "python"},
             {"id": "sh", "language": "bash", "cwd": "/tmp", "env": {"A": "1"}}])
@@ -111,6 +111,7 @@ class RecipeTests(unittest.TestCase):
             MINIMAL + "[vm]\nvcpus = true\n": "vcpus must be an integer",
             MINIMAL + "[vm]\nmemory_mib = \"512\"\n": "memory_mib must be an integer",
             MINIMAL + "[vm]\ndisk_mib = 1.5\n": "disk_mib must be an integer",
+            MINIMAL + "[vm]\nnetwork = 1\n": "network must be true or false",
             MINIMAL + "[env]\n\"A-B\" = \"x\"\n": "not an environment variable name",
             MINIMAL + "[env]\nA = 1\n": "A must be a string",
             MINIMAL + "[checks]\npython = \"import x\"\n": "must be a list",
@@ -205,7 +206,7 @@ class RecipeTests(unittest.TestCase):
         facts = {"image_bytes": 2560 << 20, "content_bytes": 1, "label": "ember-root", "uuid": "u",
                  "agent_sha256": "a", "drivers": {"/usr/lib/ember/ember_driver.py": "d"}, "built_at": "t"}
         m = build.manifest(recipe, "k1", "k2", "k3", facts)
-        self.assertEqual(m["vm"], {"vcpus": 1, "memory_mib": 1024, "disk_mib": 2560})
+        self.assertEqual(m["vm"], {"vcpus": 1, "memory_mib": 1024, "network": True, "disk_mib": 2560})
         self.assertEqual(m["key"], "k3")
         self.assertEqual(m["image"], "rootfs.ext4")
         self.assertEqual(m["python_driver"], "/usr/lib/ember/ember_driver.py")

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pkgs=(build-essential flex bison bc libelf-dev libssl-dev linux-source-6.1 xz-utils lz4
-      mmdebstrap e2fsprogs util-linux python3)
+      mmdebstrap e2fsprogs util-linux iproute2 nftables python3)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

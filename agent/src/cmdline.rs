@@ -396,7 +396,12 @@ mod tests {
         assert_eq!(net.addr.to_string(), "10.0.2.2");
         assert_eq!(net.gateway.to_string(), "10.0.2.1");
         assert!(parse("").unwrap().net.is_none());
-        for bad in ["ember.net", "ember.net=", "ember.net=10.0.2.2/30", "ember.net=x/30,y"] {
+        for bad in [
+            "ember.net",
+            "ember.net=",
+            "ember.net=10.0.2.2/30",
+            "ember.net=x/30,y",
+        ] {
             let e = parse(bad).unwrap_err();
             assert!(matches!(e, CmdlineError::BadNet { .. }), "{bad}: {e}");
             assert!(e.to_string().contains("ADDR/PREFIX,GATEWAY"), "{e}");

@@ -62,7 +62,9 @@ impl FromStr for NetSpec {
         };
         let mask = u32::from(spec.netmask());
         if u32::from(addr) & mask != u32::from(gateway) & mask || addr == gateway {
-            return Err(format!("gateway {gateway} is not another address of {cidr}"));
+            return Err(format!(
+                "gateway {gateway} is not another address of {cidr}"
+            ));
         }
         Ok(spec)
     }
@@ -117,11 +119,19 @@ fn ioctl(fd: &OwnedFd, req: libc::c_ulong, arg: *mut libc::c_void) -> io::Result
 
 fn set_up(fd: &OwnedFd, name: &CStr) -> io::Result<()> {
     let mut ifr = ifreq(name);
-    ioctl(fd, libc::SIOCGIFFLAGS, (&mut ifr as *mut libc::ifreq).cast())?;
+    ioctl(
+        fd,
+        libc::SIOCGIFFLAGS,
+        (&mut ifr as *mut libc::ifreq).cast(),
+    )?;
     // SAFETY: SIOCGIFFLAGS filled the flags member of the union.
     let flags = unsafe { ifr.ifr_ifru.ifru_flags };
     ifr.ifr_ifru.ifru_flags = flags | (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
-    ioctl(fd, libc::SIOCSIFFLAGS, (&mut ifr as *mut libc::ifreq).cast())
+    ioctl(
+        fd,
+        libc::SIOCSIFFLAGS,
+        (&mut ifr as *mut libc::ifreq).cast(),
+    )
 }
 
 /// Brings `lo` up (always: local servers need it) and, with a spec, configures `eth0`, the
@@ -139,12 +149,20 @@ pub fn configure(spec: Option<&NetSpec>) -> Result<(), NetcfgError> {
 
     let mut ifr = ifreq(IFACE);
     ifr.ifr_ifru.ifru_addr = sockaddr(spec.addr);
-    ioctl(&fd, libc::SIOCSIFADDR, (&mut ifr as *mut libc::ifreq).cast())
-        .map_err(err("setting eth0's address"))?;
+    ioctl(
+        &fd,
+        libc::SIOCSIFADDR,
+        (&mut ifr as *mut libc::ifreq).cast(),
+    )
+    .map_err(err("setting eth0's address"))?;
     let mut ifr = ifreq(IFACE);
     ifr.ifr_ifru.ifru_netmask = sockaddr(spec.netmask());
-    ioctl(&fd, libc::SIOCSIFNETMASK, (&mut ifr as *mut libc::ifreq).cast())
-        .map_err(err("setting eth0's netmask"))?;
+    ioctl(
+        &fd,
+        libc::SIOCSIFNETMASK,
+        (&mut ifr as *mut libc::ifreq).cast(),
+    )
+    .map_err(err("setting eth0's netmask"))?;
     set_up(&fd, IFACE).map_err(err("bringing eth0 up"))?;
 
     // SAFETY: rtentry is plain data (addresses, flags and a nullable pointer): zero is valid.
@@ -158,7 +176,10 @@ pub fn configure(spec: Option<&NetSpec>) -> Result<(), NetcfgError> {
 
     std::fs::write(
         RESOLV_CONF,
-        format!("nameserver {}\noptions timeout:2 attempts:2\n", spec.gateway),
+        format!(
+            "nameserver {}\noptions timeout:2 attempts:2\n",
+            spec.gateway
+        ),
     )
     .map_err(err("writing /run/resolv.conf"))
 }

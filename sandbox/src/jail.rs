@@ -214,6 +214,15 @@ pub fn snapshot_disks(snapshot: &Path) -> Result<Vec<SnapshotDisk>, JailSetupErr
         .collect())
 }
 
+/// Whether the snapshot in `snapshot` has network devices (its VM then needs a namespace
+/// holding their TAPs).
+pub fn snapshot_has_net(snapshot: &Path) -> Result<bool, JailSetupError> {
+    let state =
+        ember_vmm::snapshot::load_state(snapshot, &ember_vmm::snapshot::RestoreOptions::default())
+            .map_err(|e| JailSetupError::Snapshot(snapshot.to_path_buf(), e.to_string()))?;
+    Ok(!state.config.net.is_empty())
+}
+
 /// A jailed restore of the snapshot in `snapshot` whose disks are `disks`
 /// ([`snapshot_disks`]). The snapshot directory is bind-mounted read-only at `/snapshot`;
 /// every path the snapshot holds is re-mapped into the jail: an overlay disk's base image is

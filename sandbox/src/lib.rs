@@ -7,6 +7,7 @@ pub mod api;
 pub mod client;
 pub mod images;
 pub mod jail;
+pub mod netpolicy;
 pub mod paths;
 pub mod runtime;
 pub mod sandbox;

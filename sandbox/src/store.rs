@@ -19,7 +19,7 @@ use crate::runtime::types::{
 };
 
 /// Version of the schema below.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -45,7 +45,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     jail_id TEXT,
     pid INTEGER,
     pause_dir TEXT,
-    start_ms REAL
+    start_ms REAL,
+    network TEXT
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 CREATE TABLE IF NOT EXISTS transitions (
@@ -152,6 +153,8 @@ pub struct SandboxRow {
     pub pause_dir: Option<PathBuf>,
     /// Last start (create/resume) time, ms.
     pub start_ms: Option<f64>,
+    /// Network policy and exposed ports.
+    pub network: crate::runtime::SandboxNetwork,
 }
 
 impl SandboxRow {
@@ -176,6 +179,7 @@ impl SandboxRow {
             env: self.env.clone(),
             pid: self.pid,
             start_ms: self.start_ms,
+            network: self.network.clone(),
         }
     }
 }
@@ -203,7 +207,7 @@ fn on_timeout_str(o: OnTimeout) -> &'static str {
 
 const SANDBOX_COLS: &str = "id, template, snapshot, forked_from, source_dir, state, reason, \
     created_ms, ends_ms, max_until_ms, ended_ms, on_timeout, timeout_ms, resources, metadata, \
-    env, outputs, uid, jail_id, pid, pause_dir, start_ms";
+    env, outputs, uid, jail_id, pid, pause_dir, start_ms, network";
 
 fn row_to_sandbox(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRow> {
     let state: String = r.get(5)?;
@@ -238,6 +242,10 @@ fn row_to_sandbox(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRow> {
         pid: r.get(19)?,
         pause_dir: r.get::<_, Option<String>>(20)?.map(PathBuf::from),
         start_ms: r.get(21)?,
+        network: r
+            .get::<_, Option<String>>(22)?
+            .map(|s| from_json(&s))
+            .unwrap_or_default(),
     })
 }
 
@@ -267,6 +275,13 @@ impl Store {
                     path.display()
                 )));
             }
+            Some(1) => {
+                // Version 2 added the network column.
+                conn.execute_batch(
+                    "ALTER TABLE sandboxes ADD COLUMN network TEXT; \
+                     UPDATE meta SET value = '2' WHERE key = 'schema';",
+                )?;
+            }
             Some(_) => {}
         }
         Ok(Store { conn })
@@ -278,7 +293,7 @@ impl Store {
             &format!(
                 "INSERT INTO sandboxes ({SANDBOX_COLS}) VALUES \
                  (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, \
-                 ?18, ?19, ?20, ?21, ?22)"
+                 ?18, ?19, ?20, ?21, ?22, ?23)"
             ),
             params![
                 s.id,
@@ -305,6 +320,7 @@ impl Store {
                     .as_ref()
                     .map(|p| p.to_string_lossy().into_owned()),
                 s.start_ms,
+                json(&s.network),
             ],
         )?;
         self.add_transition(&s.id, None, s.state, s.reason.as_deref())
@@ -315,7 +331,7 @@ impl Store {
         self.conn.execute(
             "UPDATE sandboxes SET state = ?2, reason = ?3, ends_ms = ?4, max_until_ms = ?5, \
              ended_ms = ?6, timeout_ms = ?7, uid = ?8, jail_id = ?9, pid = ?10, \
-             pause_dir = ?11, start_ms = ?12, on_timeout = ?13 WHERE id = ?1",
+             pause_dir = ?11, start_ms = ?12, on_timeout = ?13, network = ?14 WHERE id = ?1",
             params![
                 s.id,
                 s.state.as_str(),
@@ -332,6 +348,7 @@ impl Store {
                     .map(|p| p.to_string_lossy().into_owned()),
                 s.start_ms,
                 on_timeout_str(s.on_timeout),
+                json(&s.network),
             ],
         )?;
         Ok(())
@@ -623,6 +640,7 @@ mod tests {
             pid: None,
             pause_dir: None,
             start_ms: None,
+            network: Default::default(),
         }
     }
 

@@ -164,6 +164,10 @@ pub struct VmShape {
     /// Root disk size, MiB (informational: the image is built at this size).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_mib: Option<u64>,
+    /// A network device (eth0 at [`crate::netpolicy::GUEST_ADDR`]): sandboxes get a
+    /// namespace and a policy. Missing in manifests older than networking: none.
+    #[serde(default)]
+    pub network: bool,
 }
 
 impl Default for VmShape {
@@ -172,6 +176,7 @@ impl Default for VmShape {
             vcpus: 1,
             memory_mib: default_memory(),
             disk_mib: None,
+            network: false,
         }
     }
 }
@@ -768,6 +773,21 @@ fn build_into(
     });
     config.vsock = Some(ember_devices_vsock_config(&uds));
     config.cmdline_extra.push("ember.agent".into());
+    // A networked template boots with eth0 on a TAP in a namespace of its own with no way out
+    // (the guest configures itself from `ember.net=`); its clones get their own namespaces.
+    let netns = if manifest.vm.network {
+        config.net.push(ember_vmm::vm::NetConfig {
+            tap: crate::netpolicy::nft::TAP.into(),
+            mac: Some(crate::netpolicy::GUEST_MAC.into()),
+        });
+        config.cmdline_extra.push(crate::netpolicy::guest_cmdline());
+        Some(
+            crate::netpolicy::BuildNetns::create()
+                .map_err(|e| vmm_err(format!("cannot set up the build's network: {e}")))?,
+        )
+    } else {
+        None
+    };
     let cfg_path = work.join("vm.json");
     let json = serde_json::to_vec_pretty(&config).map_err(|e| vmm_err(e.to_string()))?;
     std::fs::write(&cfg_path, json).map_err(io_err("cannot write", &cfg_path))?;
@@ -777,7 +797,12 @@ fn build_into(
         manifest.vm.vcpus, manifest.vm.memory_mib
     )));
     let t_boot = Instant::now();
-    let child = Command::new(&vmm)
+    let mut command = Command::new(&vmm);
+    if let Some(ns) = &netns {
+        ns.enter_on_exec(&mut command)
+            .map_err(|e| vmm_err(format!("cannot enter the build's network namespace: {e}")))?;
+    }
+    let child = command
         .arg("--config")
         .arg(&cfg_path)
         .arg("--api-sock")

@@ -25,7 +25,8 @@ use crate::device_manager::{DeviceError, DeviceManager, EventLoop, VirtioHandle}
 use crate::memory::{self, MemoryError};
 use crate::report::{Reporter, StartTime};
 use crate::vcpu::{self, Vcpu, VcpuExitReason, VcpuHandle};
-use ember_devices::virtio::net::{Net, NetConfig, NetError};
+pub use ember_devices::virtio::net::NetConfig;
+use ember_devices::virtio::net::{Net, NetError};
 pub use ember_devices::virtio::vsock::VsockConfig;
 use ember_devices::virtio::vsock::{Vsock, VsockError};
 

@@ -11,8 +11,9 @@ use ember_agent::protocol::{
 
 use super::types::TemplateSummary;
 use crate::runtime::{
-    ArtifactInfo, AuditFilter, AuditRecord, CreateRequest, ForkRequest, ListFilter, Metrics,
-    OnTimeout, SandboxInfo, SnapshotInfo, SnapshotRequest, Transition, Usage,
+    ArtifactInfo, AuditFilter, AuditRecord, CreateRequest, ExposedPort, ForkRequest, ListFilter,
+    Metrics, NetworkInfo, NetworkPolicy, OnTimeout, SandboxInfo, SnapshotInfo, SnapshotRequest,
+    Transition, Usage,
 };
 use crate::template::{BuildEvent, BuildOptions, Template};
 use crate::{RunEnd, Runtime, RuntimeError};
@@ -109,6 +110,44 @@ pub trait Backend: Send + Sync + 'static {
     }
     fn artifacts(&self, id: &str) -> Result<Vec<ArtifactInfo>, RuntimeError>;
     fn artifact_path(&self, id: &str, path: &str) -> Result<PathBuf, RuntimeError>;
+    /// The sandbox's network (policy, ports, counters).
+    fn network(&self, id: &str) -> Result<NetworkInfo, RuntimeError> {
+        Err(no_network(id))
+    }
+    /// Changes its policy.
+    fn set_network(&self, id: &str, policy: &NetworkPolicy) -> Result<NetworkInfo, RuntimeError> {
+        let _ = policy;
+        Err(no_network(id))
+    }
+    /// Exposes a guest port.
+    fn expose(&self, id: &str, port: u16, public: bool) -> Result<NetworkInfo, RuntimeError> {
+        let _ = (port, public);
+        Err(no_network(id))
+    }
+    /// Closes an exposed port.
+    fn unexpose(&self, id: &str, port: u16) -> Result<NetworkInfo, RuntimeError> {
+        let _ = port;
+        Err(no_network(id))
+    }
+    /// The exposed port `port`, if it is.
+    fn exposed(&self, id: &str, port: u16) -> Result<Option<ExposedPort>, RuntimeError> {
+        let _ = port;
+        Err(no_network(id))
+    }
+    /// A connection to the guest's `port` (from the sandbox's namespace).
+    fn connect_port(
+        &self,
+        id: &str,
+        port: u16,
+        require_exposed: bool,
+    ) -> Result<std::net::TcpStream, RuntimeError> {
+        let _ = (port, require_exposed);
+        Err(no_network(id))
+    }
+}
+
+fn no_network(id: &str) -> RuntimeError {
+    RuntimeError::Internal(format!("sandbox {id}: this backend has no networking"))
 }
 
 impl Backend for Runtime {
@@ -255,6 +294,29 @@ impl Backend for Runtime {
     }
     fn usage(&self, id: &str) -> Result<Usage, RuntimeError> {
         Runtime::usage(self, id)
+    }
+    fn network(&self, id: &str) -> Result<NetworkInfo, RuntimeError> {
+        Runtime::network(self, id)
+    }
+    fn set_network(&self, id: &str, policy: &NetworkPolicy) -> Result<NetworkInfo, RuntimeError> {
+        Runtime::set_network(self, id, policy)
+    }
+    fn expose(&self, id: &str, port: u16, public: bool) -> Result<NetworkInfo, RuntimeError> {
+        Runtime::expose(self, id, port, public)
+    }
+    fn unexpose(&self, id: &str, port: u16) -> Result<NetworkInfo, RuntimeError> {
+        Runtime::unexpose(self, id, port)
+    }
+    fn exposed(&self, id: &str, port: u16) -> Result<Option<ExposedPort>, RuntimeError> {
+        Runtime::exposed(self, id, port)
+    }
+    fn connect_port(
+        &self,
+        id: &str,
+        port: u16,
+        require_exposed: bool,
+    ) -> Result<std::net::TcpStream, RuntimeError> {
+        Runtime::connect_port(self, id, port, require_exposed)
     }
     fn with_sandbox_dyn(
         &self,

@@ -20,6 +20,7 @@ pub mod e2b;
 pub mod error;
 pub mod metrics;
 pub mod openapi;
+pub mod ports;
 pub mod proxy;
 pub mod routes;
 pub mod stream;
@@ -283,6 +284,10 @@ fn table() -> Table {
             r::get_artifact,
         )
         .add("GET", "/v1/sandboxes/{id}/audit", r::sandbox_audit)
+        .add("GET", "/v1/sandboxes/{id}/network", ports::get_network)
+        .add("PUT", "/v1/sandboxes/{id}/network", ports::set_network)
+        .add("POST", "/v1/sandboxes/{id}/ports", ports::expose)
+        .add("DELETE", "/v1/sandboxes/{id}/ports/{port}", ports::unexpose)
         .add("GET", "/v1/audit", r::audit)
 }
 
@@ -296,6 +301,15 @@ pub fn route_list() -> Vec<(&'static str, &'static str)> {
 pub fn router(state: AppState) -> Router {
     table()
         .router
+        // The reverse proxy to exposed guest ports: any method, authorized by `ports`.
+        .route(
+            "/v1/sandboxes/{id}/ports/{port}/",
+            axum::routing::any(ports::proxy_root),
+        )
+        .route(
+            "/v1/sandboxes/{id}/ports/{port}/{*rest}",
+            axum::routing::any(ports::proxy_rest),
+        )
         .fallback(error::no_route)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(middleware::from_fn_with_state(
@@ -313,7 +327,7 @@ pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
 
 /// Bearer-token auth on everything but [`PUBLIC_PATHS`].
 async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
-    if PUBLIC_PATHS.contains(&req.uri().path()) {
+    if PUBLIC_PATHS.contains(&req.uri().path()) || ports::is_proxy_path(req.uri().path()) {
         return next.run(req).await;
     }
     let given = req

@@ -5,11 +5,13 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
+use super::ports::{self, ExposeBody, NetworkBody};
 use super::routes;
 use super::types::*;
 use crate::runtime::{
-    ArtifactInfo, AuditRecord, CreateRequest, ForkRequest, Network, OnTimeout, Resources,
-    SandboxInfo, SnapshotInfo, SnapshotRequest, State, Transition,
+    ArtifactInfo, AuditRecord, CreateRequest, ExposedPort, ForkRequest, NetMode, NetworkPolicy,
+    OnTimeout, Resources, SandboxInfo, SandboxNetwork, SnapshotInfo, SnapshotRequest, State,
+    Transition,
 };
 
 /// The document.
@@ -59,13 +61,18 @@ use crate::runtime::{
         routes::get_artifact,
         routes::sandbox_audit,
         routes::audit,
+        ports::get_network,
+        ports::set_network,
+        ports::expose,
+        ports::unexpose,
     ),
     components(schemas(
         ErrorBody, ErrorDetail, OkBody, StreamLine, TemplateSummary, VmShapeInfo, BuildBody,
-        CreateRequest, SandboxInfo, State, OnTimeout, Network, Resources, Transition,
+        CreateRequest, SandboxInfo, State, OnTimeout, NetworkPolicy, NetMode, ExposedPort, SandboxNetwork, Resources, Transition,
         TimeoutBody, ForkRequest, SnapshotRequest, SnapshotInfo, ContextBody, ContextOut,
         RunCodeBody, ExecBody, ExecUserBody, EntryOut, StatOut, WrittenOut, MkdirBody,
-        RenameBody, ArtifactInfo, AuditRecord,
+        RenameBody, ArtifactInfo, AuditRecord, ExposeBody, NetworkBody,
+        crate::runtime::NetworkInfo, crate::netpolicy::NetStats, crate::netpolicy::DropStats,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = [])),
@@ -78,6 +85,8 @@ use crate::runtime::{
         (name = "code", description = "Running code and programs (NDJSON streams)"),
         (name = "files", description = "Guest files"),
         (name = "artifacts", description = "Files copied out of the outputs directory"),
+        (name = "network", description = "Network policy, exposed ports (the reverse proxy \
+            at /v1/sandboxes/{id}/ports/{port}/… is not listed: any method, any path)"),
         (name = "audit", description = "The audit log"),
     )
 )]

@@ -61,6 +61,7 @@ fn info(id: &str) -> SandboxInfo {
         env: BTreeMap::new(),
         pid: Some(42),
         start_ms: Some(12.5),
+        network: Default::default(),
     }
 }
 

@@ -11,7 +11,9 @@ use base64::Engine;
 use clap::{Args, Subcommand};
 use ember_agent::protocol::EventKind;
 use ember_sandbox::client::{Client, ClientError, DEFAULT_URL};
-use ember_sandbox::runtime::{CreateRequest, ForkRequest, OnTimeout, SandboxInfo, SnapshotRequest};
+use ember_sandbox::runtime::{
+    CreateRequest, ForkRequest, NetMode, NetworkPolicy, OnTimeout, SandboxInfo, SnapshotRequest,
+};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -111,6 +113,91 @@ pub enum SandboxCmd {
     },
     /// Show a sandbox's state history.
     History(IdArgs),
+    /// Show a sandbox's network (policy, exposed ports, refused connections), or change its
+    /// policy with any of the policy flags (takes effect on its next connection).
+    Network {
+        /// Sandbox id.
+        id: String,
+        #[command(flatten)]
+        policy: PolicyArgs,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make a guest TCP port reachable at `<server>/v1/sandboxes/ID/ports/PORT/`.
+    Expose {
+        /// Sandbox id.
+        id: String,
+        /// The guest port.
+        port: u16,
+        /// Reachable without a token.
+        #[arg(long)]
+        public: bool,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Close an exposed port.
+    Unexpose {
+        /// Sandbox id.
+        id: String,
+        /// The guest port.
+        port: u16,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// A network policy on the command line.
+#[derive(Debug, Args, Default)]
+pub struct PolicyArgs {
+    /// `none` (nothing reachable) or `egress` (NAT out, with the always-on deny list).
+    #[arg(long, value_name = "MODE")]
+    pub network: Option<String>,
+    /// Always reachable, even inside the deny list (IPv4 CIDR or address; repeatable).
+    #[arg(long = "allow-cidr", value_name = "CIDR")]
+    pub allow_cidrs: Vec<String>,
+    /// Never reachable (repeatable).
+    #[arg(long = "deny-cidr", value_name = "CIDR")]
+    pub deny_cidrs: Vec<String>,
+    /// Only these names (and their addresses) are reachable: `example.com`, `*.example.com`
+    /// (repeatable).
+    #[arg(long = "allow-domain", value_name = "NAME")]
+    pub allow_domains: Vec<String>,
+    /// Bandwidth cap, KiB/s each way.
+    #[arg(long, value_name = "KIB")]
+    pub bandwidth_kib: Option<u64>,
+    /// Most concurrent outgoing connections.
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<u32>,
+}
+
+impl PolicyArgs {
+    /// The policy, if any flag was given. Lists imply `egress`.
+    pub fn policy(&self) -> Result<Option<NetworkPolicy>, String> {
+        let lists = !self.allow_cidrs.is_empty()
+            || !self.deny_cidrs.is_empty()
+            || !self.allow_domains.is_empty()
+            || self.bandwidth_kib.is_some()
+            || self.max_connections.is_some();
+        let mode = match self.network.as_deref() {
+            None if !lists => return Ok(None),
+            None | Some("egress") => NetMode::Egress,
+            Some("none") => NetMode::None,
+            Some(other) => return Err(format!("--network {other:?}: expected none or egress")),
+        };
+        let p = NetworkPolicy {
+            mode,
+            allow_cidrs: self.allow_cidrs.clone(),
+            deny_cidrs: self.deny_cidrs.clone(),
+            allow_domains: self.allow_domains.clone(),
+            bandwidth_kib: self.bandwidth_kib,
+            max_connections: self.max_connections,
+        };
+        p.validate()?;
+        Ok(Some(p))
+    }
 }
 
 /// One sandbox id.
@@ -144,6 +231,9 @@ pub struct CreateArgs {
     /// An environment variable for code and programs (`k=v`, repeatable).
     #[arg(long = "env", value_name = "K=V")]
     pub env: Vec<String>,
+    /// Network policy.
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// Print the sandbox as JSON instead of its id.
     #[arg(long)]
     pub json: bool,
@@ -448,6 +538,53 @@ pub fn sandbox_main(a: SandboxArgs) -> ExitCode {
             }
         }
         SandboxCmd::Get(x) => one(&c, x.json, c.sandbox(&x.id), true),
+        SandboxCmd::Network { id, policy, json } => {
+            let path = format!(
+                "/v1/sandboxes/{}/network",
+                ember_sandbox::client::segment(&id)
+            );
+            let r: Result<Value, _> = match policy.policy() {
+                Ok(Some(p)) => c.send("PUT", &path, &p),
+                Ok(None) => c.get(&path, &[]),
+                Err(e) => return usage(e),
+            };
+            show_network(&c, r, json)
+        }
+        SandboxCmd::Expose {
+            id,
+            port,
+            public,
+            json,
+        } => {
+            let path = format!(
+                "/v1/sandboxes/{}/ports",
+                ember_sandbox::client::segment(&id)
+            );
+            let r = c.send(
+                "POST",
+                &path,
+                &serde_json::json!({"port": port, "public": public}),
+            );
+            if r.is_ok() && !json {
+                eprintln!(
+                    "ember: {}/v1/sandboxes/{id}/ports/{port}/ ({})",
+                    c.url().trim_end_matches('/'),
+                    if public {
+                        "public"
+                    } else {
+                        "send X-Access-Token or the server's token"
+                    }
+                );
+            }
+            show_network(&c, r, json)
+        }
+        SandboxCmd::Unexpose { id, port, json } => {
+            let path = format!(
+                "/v1/sandboxes/{}/ports/{port}",
+                ember_sandbox::client::segment(&id)
+            );
+            show_network(&c, c.delete(&path, &[]), json)
+        }
         SandboxCmd::Pause(x) => one(&c, x.json, c.action(&x.id, "pause"), false),
         SandboxCmd::Resume(x) => one(&c, x.json, c.action(&x.id, "resume"), false),
         SandboxCmd::Kill(x) => one(&c, x.json, c.kill(&x.id), false),
@@ -525,6 +662,72 @@ pub fn sandbox_main(a: SandboxArgs) -> ExitCode {
 }
 
 /// Prints one sandbox: in full (`get`), or `ID STATE`.
+fn show_network(c: &Client, r: Result<Value, ClientError>, json: bool) -> ExitCode {
+    let v = match r {
+        Ok(v) => v,
+        Err(e) => return fail(c, e),
+    };
+    if json {
+        print_json(&v);
+        return ExitCode::SUCCESS;
+    }
+    let p = &v["policy"];
+    println!("mode: {}", p["mode"].as_str().unwrap_or("none"));
+    for (k, label) in [
+        ("allow_cidrs", "allow cidrs"),
+        ("deny_cidrs", "deny cidrs"),
+        ("allow_domains", "allow domains"),
+    ] {
+        if let Some(list) = p[k].as_array().filter(|l| !l.is_empty()) {
+            let items: Vec<&str> = list.iter().filter_map(Value::as_str).collect();
+            println!("{label}: {}", items.join(", "));
+        }
+    }
+    if let Some(b) = p["bandwidth_kib"].as_u64() {
+        println!("bandwidth: {b} KiB/s");
+    }
+    if let Some(n) = p["max_connections"].as_u64() {
+        println!("max connections: {n}");
+    }
+    for port in v["ports"].as_array().into_iter().flatten() {
+        println!(
+            "port {}: {}{}",
+            port["port"],
+            v["ports_url"].as_str().unwrap_or(""),
+            if port["public"] == true {
+                " (public)"
+            } else {
+                ""
+            }
+        );
+    }
+    let s = &v["stats"];
+    if s.is_object() {
+        println!(
+            "connections: {} admitted, {} refused",
+            s["accepted"], s["dropped"]
+        );
+        let sample = |k: &str| -> Vec<String> {
+            s[k].as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|x| x.as_str().map(str::to_owned))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let d = sample("dropped_destinations");
+        if !d.is_empty() {
+            println!("refused destinations: {}", d.join(", "));
+        }
+        let n = sample("denied_names");
+        if !n.is_empty() {
+            println!("refused names: {}", n.join(", "));
+        }
+    }
+    ExitCode::SUCCESS
+}
+
 fn one(c: &Client, json: bool, r: Result<SandboxInfo, ClientError>, full: bool) -> ExitCode {
     match r {
         Ok(s) if json => {
@@ -552,7 +755,12 @@ fn create(c: &Client, a: CreateArgs) -> ExitCode {
         (Ok(m), Ok(e), Ok(o)) => (m, e, o),
         (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return usage(e),
     };
+    let network = match a.policy.policy() {
+        Ok(p) => p.unwrap_or_default(),
+        Err(e) => return usage(e),
+    };
     let req = CreateRequest {
+        network,
         template: a.template,
         snapshot: a.snapshot,
         timeout_secs: a.timeout,

@@ -60,6 +60,17 @@ pub struct ServeArgs {
     /// clients' `SSL_CERT_FILE` at its bundle). Needs `--domain`.
     #[arg(long, value_name = "ADDR")]
     pub tls_listen: Option<SocketAddr>,
+    /// The interface sandboxes with `egress` leave by, NATed (default: the interface of the
+    /// host's default route).
+    #[arg(long, env = "EMBER_UPLINK", value_name = "IFACE")]
+    pub uplink: Option<String>,
+    /// Host-side addresses of sandboxes' veth pairs, a /30 each.
+    #[arg(long, value_name = "CIDR", default_value = "10.199.0.0/16")]
+    pub net_pool: String,
+    /// Where sandboxes' resolvers send the queries they allow (default: the host's first
+    /// nameserver).
+    #[arg(long, env = "EMBER_DNS_UPSTREAM", value_name = "IP[:PORT]")]
+    pub dns_upstream: Option<String>,
 }
 
 /// The E2B settings of the flags.
@@ -138,6 +149,26 @@ pub fn main(a: ServeArgs) -> ExitCode {
         cfg.max_cpu_percent = a.max_cpu_percent;
     }
     cfg.kill_on_drop = false;
+    cfg.network.uplink = a.uplink.clone();
+    match ember_sandbox::netpolicy::Cidr4::parse(&a.net_pool) {
+        Ok(p) => cfg.network.pool = p,
+        Err(e) => return fail(format!("--net-pool: {e}")),
+    }
+    if let Some(d) = &a.dns_upstream {
+        let parsed = d.parse::<SocketAddr>().or_else(|_| {
+            d.parse::<std::net::IpAddr>()
+                .map(|ip| SocketAddr::new(ip, 53))
+        });
+        match parsed {
+            Ok(s) => cfg.network.dns_upstream = Some(s),
+            Err(_) => return fail(format!("--dns-upstream {d:?}: expected IP or IP:PORT")),
+        }
+    }
+    if let Some(u) = &a.uplink {
+        if !ember_sandbox::netpolicy::link_exists(u) {
+            return fail(format!("--uplink {u}: no such interface"));
+        }
+    }
     if cfg.default_timeout > cfg.max_lifetime {
         return fail("--default-timeout is longer than --max-lifetime");
     }

@@ -59,6 +59,8 @@ pub struct RuntimeConfig {
     /// Kill running sandboxes when the runtime is dropped (one-shot tools); a server leaves
     /// them running so that a restart re-attaches them.
     pub kill_on_drop: bool,
+    /// Sandbox networking (uplink, address pool, upstream resolver).
+    pub network: crate::netpolicy::NetOptions,
 }
 
 fn host_ram_mib() -> u64 {
@@ -101,6 +103,7 @@ impl RuntimeConfig {
             log_max_bytes: 1 << 20,
             connect_timeout: Duration::from_secs(120),
             kill_on_drop: false,
+            network: crate::netpolicy::NetOptions::default(),
         }
     }
 

@@ -101,6 +101,9 @@ pub enum RuntimeError {
         /// Why.
         source: std::io::Error,
     },
+    /// A guest port did not accept a connection (nothing listens, or it refused).
+    #[error("{0}")]
+    Unreachable(String),
     /// Anything else that is the host's fault.
     #[error("{0}")]
     Internal(String),
@@ -147,7 +150,7 @@ impl RuntimeError {
             RuntimeError::Conflict { .. } => ErrorClass::Conflict,
             RuntimeError::Capacity(_) => ErrorClass::Capacity,
             RuntimeError::Timeout { .. } => ErrorClass::Timeout,
-            RuntimeError::Guest { .. } => ErrorClass::Guest,
+            RuntimeError::Guest { .. } | RuntimeError::Unreachable(_) => ErrorClass::Guest,
             _ => ErrorClass::Internal,
         }
     }
@@ -182,6 +185,7 @@ impl RuntimeError {
             RuntimeError::Sandbox(_) => "sandbox_failed",
             RuntimeError::Store(_) => "store_error",
             RuntimeError::Io { .. } => "host_io_error",
+            RuntimeError::Unreachable(_) => "port_unreachable",
             RuntimeError::Internal(_) => "internal",
         }
     }

@@ -30,6 +30,8 @@ pub struct Live {
     pub jail: JailConfig,
     /// Its disks with host paths (what a snapshot of it records in [`DISKS_FILE`]).
     pub disks: Vec<SnapshotDisk>,
+    /// Its network namespace, when its snapshot has a network device.
+    pub net: Option<Arc<crate::netpolicy::SandboxNet>>,
 }
 
 impl Live {
@@ -87,6 +89,8 @@ pub struct StartSpec<'a> {
     pub disks: &'a [SnapshotDisk],
     /// Cgroup limits.
     pub limits: CgroupLimits,
+    /// The network namespace to run in.
+    pub net: Option<Arc<crate::netpolicy::SandboxNet>>,
 }
 
 /// Reads the disks of a snapshot: from [`DISKS_FILE`] when the runtime wrote one, else from
@@ -188,6 +192,7 @@ pub fn start(
     )
     .map_err(|e| RuntimeError::Internal(e.to_string()))?;
     launch.config.cgroup_parent = cfg.cgroup_parent();
+    launch.config.netns = spec.net.as_ref().map(|n| n.path.clone());
     let mut command = Command::new(&bins.jailer);
     command.args(launch.config.to_args());
     let log = state.join("launch.log");
@@ -204,6 +209,7 @@ pub fn start(
             sandbox,
             jail: launch.config,
             disks: spec.disks.to_vec(),
+            net: spec.net.clone(),
         }),
         Err(e) => {
             // Sandbox::launch killed what it started; the jail remains.
@@ -255,6 +261,7 @@ pub fn adopt(
         sandbox,
         jail,
         disks,
+        net: None,
     })
 }
 

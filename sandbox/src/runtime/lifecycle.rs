@@ -218,6 +218,11 @@ impl Runtime {
                 )));
             }
         }
+        if fork.is_none() {
+            req.network
+                .validate()
+                .map_err(|e| RuntimeError::Invalid(format!("network: {e}")))?;
+        }
         let resources = Resources {
             vcpus: src.vcpus,
             memory_mib: src.memory_mib,
@@ -253,6 +258,13 @@ impl Runtime {
             pid: None,
             pause_dir: None,
             start_ms: None,
+            network: SandboxNetwork {
+                policy: match fork {
+                    Some((p, _)) => p.network.policy.clone(),
+                    None => req.network.clone(),
+                },
+                ports: Vec::new(),
+            },
         };
         let slot = Arc::new(Slot {
             id: id.clone(),
@@ -311,6 +323,7 @@ impl Runtime {
         // A template's snapshot (taken on the host) holds host paths; the snapshots the
         // runtime writes carry them in `ember-disks.json`.
         let started = jailed::snapshot_disks(dir).and_then(|disks| {
+            let net = self.setup_net(dir, &jail_id, uid, &row.network.policy)?;
             let spec = StartSpec {
                 id: &row.id,
                 jail_id: &jail_id,
@@ -318,8 +331,13 @@ impl Runtime {
                 snapshot: dir,
                 disks: &disks,
                 limits: self.limits(&row.resources),
+                net: net.clone(),
             };
-            jailed::start(cfg, &self.inner.bins, &spec)
+            jailed::start(cfg, &self.inner.bins, &spec).inspect_err(|_| {
+                if let Some(n) = &net {
+                    self.inner.net.teardown(n);
+                }
+            })
         });
         let mut st = lock(&slot.st);
         match started {
@@ -380,6 +398,9 @@ impl Runtime {
         let ooms = jailed::oom_kills(&vm.jail);
         let _ = vm.sandbox.kill();
         let released = jailed::release_jail(&vm.jail);
+        if let Some(net) = &vm.net {
+            self.inner.net.teardown(net);
+        }
         let mut reason = format!("the VMM died unexpectedly ({status})");
         if ooms > 0 {
             reason.push_str(&format!(
@@ -408,6 +429,10 @@ impl Runtime {
             let _ = vm.sandbox.kill();
             if let Err(e) = jailed::release_jail(&vm.jail) {
                 tracing::error!("sandbox {}: {e}", st.row.id);
+            }
+            if let Some(net) = &vm.net {
+                self.audit_net_drops(&st.row.id, net);
+                self.inner.net.teardown(net);
             }
         }
         self.free_uid(st.row.uid.take());
@@ -1024,6 +1049,10 @@ impl Runtime {
                 (State::Running | State::Pausing, Some(mut live)) => {
                     let jail_id = live.jail.id.clone();
                     keep_jails.insert(jail_id.clone());
+                    match self.inner.net.adopt(&jail_id, &row.network.policy) {
+                        Ok(net) => live.net = net,
+                        Err(e) => tracing::error!("sandbox {id}: its network: {e}"),
+                    }
                     if let Some(w) = lock(&self.inner.watcher).clone() {
                         let _ = w.watch(&id, &jail_id, &live.sandbox);
                     }
@@ -1116,6 +1145,21 @@ impl Runtime {
             if let Err(e) = jailed::release_jail(&jail) {
                 tracing::error!("{e}");
             }
+        }
+        // Network namespaces no re-attached VM uses (their veths, TAPs and rules go with them).
+        let keep_ns: std::collections::BTreeSet<String> = lock(&self.inner.slots)
+            .values()
+            .filter_map(|s| {
+                lock(&s.st)
+                    .vm
+                    .as_ref()
+                    .and_then(|v| v.net.as_ref())
+                    .map(|n| n.name.clone())
+            })
+            .collect();
+        let reclaimed = self.inner.net.reclaim(&keep_ns);
+        if reclaimed > 0 {
+            tracing::warn!("reclaimed {reclaimed} orphaned sandbox network namespace(s)");
         }
         // State directories of sandboxes that no longer live.
         let live: std::collections::HashSet<String> =

@@ -22,6 +22,7 @@ pub mod types;
 
 mod calls;
 mod lifecycle;
+mod network;
 mod usage;
 
 use std::collections::{BTreeSet, HashMap};
@@ -30,6 +31,7 @@ use std::time::{Duration, Instant};
 
 pub use config::RuntimeConfig;
 pub use error::{ErrorClass, RuntimeError};
+pub use network::{NetworkInfo, MAX_PORTS};
 pub use types::*;
 
 use crate::store::{SandboxRow, Store};
@@ -54,6 +56,8 @@ struct Inner {
     metrics: Mutex<Metrics>,
     watcher: Mutex<Option<Arc<Watcher>>>,
     timer: Arc<(Mutex<bool>, Condvar)>,
+    /// Sandboxes' network namespaces, rules and resolvers.
+    net: crate::netpolicy::NetManager,
 }
 
 /// One sandbox with a VMM or a pause snapshot.
@@ -113,6 +117,8 @@ impl Runtime {
         }
         let bins = Binaries::find(&cfg)?;
         let store = Store::open(&cfg.db_path())?;
+        let net = crate::netpolicy::NetManager::new(&cfg.home, cfg.network.clone())
+            .map_err(|e| RuntimeError::Internal(e.to_string()))?;
         let rt = Runtime {
             inner: Arc::new(Inner {
                 cfg,
@@ -124,6 +130,7 @@ impl Runtime {
                 metrics: Mutex::new(Metrics::default()),
                 watcher: Mutex::new(None),
                 timer: Arc::new((Mutex::new(false), Condvar::new())),
+                net,
             }),
         };
         let weak = Arc::downgrade(&rt.inner);
@@ -438,6 +445,9 @@ impl Drop for Inner {
             }
             // Only empty parents go (a running sandbox's cgroup keeps its parent busy).
             jailed::remove_cgroup_parents(&self.cfg);
+            if self.net.in_use() == 0 {
+                self.net.remove_host_table();
+            }
             return;
         }
         let slots: Vec<Arc<Slot>> = lock(&self.slots).values().cloned().collect();
@@ -447,8 +457,12 @@ impl Drop for Inner {
             if let Some(vm) = st.vm.take() {
                 let _ = vm.sandbox.kill();
                 let _ = jailed::release_jail(&vm.jail);
+                if let Some(net) = &vm.net {
+                    self.net.teardown(net);
+                }
             }
         }
         jailed::remove_cgroup_parents(&self.cfg);
+        self.net.remove_host_table();
     }
 }

@@ -83,13 +83,49 @@ pub enum OnTimeout {
     Pause,
 }
 
-/// The sandbox's network. Only `none` exists yet: the VM has no network device at all.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum Network {
-    /// No network interface.
-    #[default]
-    None,
+pub use crate::netpolicy::{NetMode, NetworkPolicy};
+
+/// A `network` field: a policy object, or just its mode (`"none"`, `"egress"`).
+fn policy_or_mode<'de, D: serde::Deserializer<'de>>(d: D) -> Result<NetworkPolicy, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Form {
+        Mode(NetMode),
+        Policy(NetworkPolicy),
+    }
+    match Form::deserialize(d) {
+        Ok(Form::Mode(mode)) => Ok(NetworkPolicy {
+            mode,
+            ..Default::default()
+        }),
+        Ok(Form::Policy(p)) => Ok(p),
+        Err(_) => Err(serde::de::Error::custom(
+            "network must be \"none\", \"egress\" or a policy object {mode, allow_cidrs, \
+             deny_cidrs, allow_domains, bandwidth_kib, max_connections}",
+        )),
+    }
+}
+
+/// A guest TCP port reachable from outside the sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExposedPort {
+    /// The guest port.
+    pub port: u16,
+    /// Reachable without a token (anyone who can reach the server).
+    #[serde(default)]
+    pub public: bool,
+}
+
+/// A sandbox's network: the policy in force and its exposed ports.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SandboxNetwork {
+    /// The policy.
+    #[serde(default)]
+    pub policy: NetworkPolicy,
+    /// Exposed ports.
+    #[serde(default)]
+    pub ports: Vec<ExposedPort>,
 }
 
 /// Arguments of [`crate::runtime::Runtime::create`].
@@ -134,9 +170,10 @@ pub struct CreateRequest {
     /// The caller's labels, returned by `get` and usable as `list` filters.
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
-    /// Network mode.
-    #[serde(default)]
-    pub network: Network,
+    /// Network policy: `"none"` (default), `"egress"`, or a policy object.
+    #[serde(default, deserialize_with = "policy_or_mode")]
+    #[schema(value_type = NetworkPolicy)]
+    pub network: NetworkPolicy,
 }
 
 /// The resource envelope of a sandbox.
@@ -189,6 +226,9 @@ pub struct SandboxInfo {
     pub pid: Option<u32>,
     /// Milliseconds the last create/resume took (spawn → guest synced).
     pub start_ms: Option<f64>,
+    /// Network policy and exposed ports.
+    #[serde(default)]
+    pub network: SandboxNetwork,
 }
 
 /// One recorded state change.
@@ -420,10 +460,18 @@ mod tests {
     fn create_request_rejects_unknown_fields_and_defaults_the_rest() {
         let r: CreateRequest = serde_json::from_str(r#"{"template":"default"}"#).unwrap();
         assert_eq!(r.on_timeout, OnTimeout::Kill);
-        assert_eq!(r.network, Network::None);
+        assert_eq!(r.network.mode, NetMode::None);
         assert!(serde_json::from_str::<CreateRequest>(r#"{"templat":"x"}"#).is_err());
         assert!(serde_json::from_str::<CreateRequest>(r#"{"timeout_secs":"x"}"#).is_err());
         assert!(serde_json::from_str::<CreateRequest>(r#"{"network":"host"}"#).is_err());
+        let r: CreateRequest = serde_json::from_str(r#"{"network":"egress"}"#).unwrap();
+        assert_eq!(r.network.mode, NetMode::Egress);
+        let r: CreateRequest = serde_json::from_str(
+            r#"{"network":{"mode":"egress","allow_domains":["*.example.com"]}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.network.allow_domains, ["*.example.com"]);
+        assert!(serde_json::from_str::<CreateRequest>(r#"{"network":{"mode":"x"}}"#).is_err());
     }
 
     #[test]

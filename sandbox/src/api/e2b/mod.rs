@@ -207,7 +207,7 @@ impl E2bError {
             StatusCode::BAD_GATEWAY,
             format!(
                 "The sandbox {id} port is not open: {port} (ember serves envd on {ENVD_PORT} \
-                 and the code interpreter on {INTERP_PORT}, no other port)"
+                 and the code interpreter on {INTERP_PORT}; other ports once exposed with POST /v1/sandboxes/{id}/ports)"
             ),
         )
     }

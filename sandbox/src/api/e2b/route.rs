@@ -265,7 +265,32 @@ async fn sandbox(st: E2bState, id: String, port: u16, mut req: Request) -> Respo
         return E2bError::sandbox_gone(&id).into_response();
     }
     if !known_port {
-        return E2bError::port_closed(&id, port).into_response();
+        // A guest port (`get_host(port)`): exposed ports only, with the sandbox's token
+        // unless exposed as public.
+        let id2 = id.clone();
+        let exposed = st.app.call(move |b| b.exposed(&id2, port)).await;
+        let Ok(Some(exposed)) = exposed else {
+            return E2bError::port_closed(&id, port).into_response();
+        };
+        let token_ok = header_is(
+            req.headers(),
+            "e2b-traffic-access-token",
+            &st.traffic_token(&id),
+        ) || header_is(req.headers(), "x-access-token", &st.traffic_token(&id))
+            || header_is(req.headers(), "x-access-token", &st.envd_token(&id));
+        if !exposed.public && !token_ok {
+            return E2bError::unauthorized(format!(
+                "port {port} of sandbox {id} is private: send E2B-Traffic-Access-Token (the \
+                 trafficAccessToken) or expose it as public"
+            ))
+            .into_response();
+        }
+        let target = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_else(|| "/".into());
+        return crate::api::ports::to_port(&st.app, &id, port, req, target, None).await;
     }
     req.extensions_mut().insert(Target {
         id: id.clone(),
