@@ -702,6 +702,12 @@ fn exposed_ports_serve_http_and_websockets_to_the_caller_only() {
     let url = format!("http://{addr}");
     let t0 = Instant::now();
     while ureq::get(&format!("{url}/healthz")).call().is_err() {
+        if let Ok(Some(st)) = server.try_wait() {
+            panic!(
+                "ember serve exited ({st}): {}",
+                std::fs::read_to_string(shome.path().join("serve.log")).unwrap_or_default()
+            );
+        }
         assert!(
             t0.elapsed() < Duration::from_secs(30),
             "ember serve did not come up"
