@@ -239,6 +239,9 @@ pub fn restore(
     extra_vmm_args: &[String],
 ) -> Result<JailedLaunch, JailSetupError> {
     let mut cfg = common(opts, id, vmm, workdir)?;
+    // A restored VMM reads its own /proc/self/pagemap for layered (pause) snapshots: the
+    // pages it wrote are its private copies of the snapshot's memory (vmm/src/layer.rs).
+    cfg.mount_proc = true;
     cfg.binds.push(BindSpec {
         src: snapshot.to_path_buf(),
         dest: PathBuf::from("/snapshot"),

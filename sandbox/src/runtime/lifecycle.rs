@@ -551,7 +551,7 @@ impl Runtime {
             tracing::warn!("sandbox {id}: artifacts not collected: {e}");
         }
         let dest = self.inner.cfg.sandbox_dir(id).join("pause");
-        let snap = self.snapshot_to(&vm, &row, &dest, ember_vmm::api::AfterSnapshot::Exit);
+        let snap = self.pause_snapshot(&vm, &row, &dest);
         let mut st = lock(&slot.st);
         match snap {
             Ok(()) => {
@@ -589,6 +589,76 @@ impl Runtime {
         }
     }
 
+    /// Writes a pause snapshot into `dest`: a layer (only the pages the VM changed since it
+    /// was restored, over a hard link to the memory file it was restored from, so a template
+    /// rebuild cannot break it), or a full snapshot when a layer cannot be made (the base is
+    /// on another filesystem, or gone). Leaves the VMM paused or exited for `stop_vm`.
+    fn pause_snapshot(&self, vm: &Live, row: &SandboxRow, dest: &Path) -> Result<(), RuntimeError> {
+        use ember_vmm::api::{AfterSnapshot, SnapshotKind};
+        let layered = self
+            .snapshot_to(vm, row, dest, SnapshotKind::Layer, AfterSnapshot::Pause)
+            .and_then(|()| self.link_pause_base(vm, row, dest));
+        match layered {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                tracing::info!(
+                    "sandbox {}: no layered pause ({e}); taking a full snapshot",
+                    row.id
+                );
+                self.snapshot_to(vm, row, dest, SnapshotKind::Full, AfterSnapshot::Exit)
+            }
+        }
+    }
+
+    /// Hard-links the base memory file of the layered snapshot in `dest` into it. The VMM
+    /// names the base as it sees it in its jail: found on the host through the jail's bind
+    /// mounts, or as the base a resume kept in the sandbox's directory (the pause snapshot it
+    /// came from is gone by then). The link must be the file the layer was taken over.
+    fn link_pause_base(
+        &self,
+        vm: &Live,
+        row: &SandboxRow,
+        dest: &Path,
+    ) -> Result<(), RuntimeError> {
+        let layer = ember_snapshot::read_layer(dest)
+            .map_err(|e| RuntimeError::Internal(e.to_string()))?
+            .ok_or_else(|| {
+                RuntimeError::Internal(format!("{} is not a layered snapshot", dest.display()))
+            })?;
+        let kept = self
+            .inner
+            .cfg
+            .sandbox_dir(&row.id)
+            .join(ember_snapshot::BASE_MEMORY_FILE);
+        let mut candidates: Vec<PathBuf> = vm
+            .jail
+            .binds
+            .iter()
+            .filter_map(|b| {
+                let rest = layer.base_path.strip_prefix(&b.dest).ok()?;
+                Some(b.src.join(rest))
+            })
+            .collect();
+        candidates.push(kept.clone());
+        let mut why = Vec::new();
+        for c in &candidates {
+            match ember_snapshot::link_base(dest, &layer, c) {
+                Ok(_) => {
+                    // The previous pause's base, if any, is now linked here.
+                    let _ = std::fs::remove_file(&kept);
+                    return Ok(());
+                }
+                Err(e) => why.push(e.to_string()),
+            }
+        }
+        Err(RuntimeError::Internal(format!(
+            "sandbox {}: cannot keep the base memory file {} of its pause: {}",
+            row.id,
+            layer.base_path.display(),
+            why.join("; ")
+        )))
+    }
+
     /// Snapshots the VM into the host directory `dest` (through its jail's /work), with
     /// the host paths of its disks recorded.
     fn snapshot_to(
@@ -596,6 +666,7 @@ impl Runtime {
         vm: &Live,
         row: &SandboxRow,
         dest: &Path,
+        kind: ember_vmm::api::SnapshotKind,
         after: ember_vmm::api::AfterSnapshot,
     ) -> Result<(), RuntimeError> {
         let name = format!("snap-{}", &crate::paths::random_id()[..8]);
@@ -605,7 +676,7 @@ impl Runtime {
             vm.sandbox.api_socket(),
             &ember_vmm::api::Request::Snapshot {
                 dir: in_jail,
-                kind: ember_vmm::api::SnapshotKind::Full,
+                kind,
                 after,
             },
         )
@@ -689,7 +760,19 @@ impl Runtime {
         let _ = self.store().update_sandbox(&st.row);
         let info = st.row.info();
         drop(st);
-        // The restored VM has mapped what it needs; the snapshot can go.
+        // The restored VM has mapped what it needs; the snapshot can go. A layered one's
+        // base is kept in the sandbox's directory: the next pause links it again.
+        let base = dir.join(ember_snapshot::BASE_MEMORY_FILE);
+        if base.exists() {
+            let kept = self
+                .inner
+                .cfg
+                .sandbox_dir(id)
+                .join(ember_snapshot::BASE_MEMORY_FILE);
+            if let Err(e) = std::fs::rename(&base, &kept) {
+                tracing::warn!("sandbox {id}: cannot keep {}: {e}", base.display());
+            }
+        }
         let _ = std::fs::remove_dir_all(&dir);
         self.wake_timer();
         Ok(info)
@@ -751,7 +834,13 @@ impl Runtime {
             serde_json::json!({ "name": name }),
             |vm, _| {
                 let row = self.row(id)?;
-                self.snapshot_to(vm, &row, &dest, ember_vmm::api::AfterSnapshot::Continue)?;
+                self.snapshot_to(
+                    vm,
+                    &row,
+                    &dest,
+                    ember_vmm::api::SnapshotKind::Full,
+                    ember_vmm::api::AfterSnapshot::Continue,
+                )?;
                 let info = SnapshotInfo {
                     name: name.clone(),
                     sandbox: id.to_string(),
@@ -806,7 +895,13 @@ impl Runtime {
             serde_json::json!({ "count": req.count }),
             |vm, _| {
                 let row = self.row(id)?;
-                self.snapshot_to(vm, &row, &dir, ember_vmm::api::AfterSnapshot::Continue)?;
+                self.snapshot_to(
+                    vm,
+                    &row,
+                    &dir,
+                    ember_vmm::api::SnapshotKind::Full,
+                    ember_vmm::api::AfterSnapshot::Continue,
+                )?;
                 Ok(row)
             },
         )?;
