@@ -927,6 +927,25 @@ fn namespaces_and_rules_without_a_vm() {
         bandwidth_kib: Some(512),
         max_connections: Some(16),
     };
+    // The cost a networked sandbox adds to create and kill (reported, not asserted).
+    let mut ms = Vec::new();
+    for i in 0..20 {
+        let t = Instant::now();
+        let n = m.setup(&format!("jail-t{i}"), 4000 + i, &full).unwrap();
+        let up = t.elapsed().as_secs_f64() * 1e3;
+        let t = Instant::now();
+        m.teardown(&n);
+        ms.push((up, t.elapsed().as_secs_f64() * 1e3));
+    }
+    let mut up: Vec<f64> = ms.iter().map(|m| m.0).collect();
+    let mut down: Vec<f64> = ms.iter().map(|m| m.1).collect();
+    up.sort_by(f64::total_cmp);
+    down.sort_by(f64::total_cmp);
+    eprintln!(
+        "[network] namespace set-up (egress, domains, limits): median {:.1} ms, p95 {:.1} ms; \
+         teardown: median {:.1} ms, p95 {:.1} ms",
+        up[10], up[18], down[10], down[18]
+    );
     let a = m
         .setup("jail-a", 4242, &full)
         .unwrap_or_else(|e| panic!("{e}"));

@@ -55,6 +55,11 @@ pub struct ServeArgs {
     /// `code-interpreter-v1=python-data`, `base=default`).
     #[arg(long = "e2b-alias", value_name = "NAME=TEMPLATE")]
     pub e2b_alias: Vec<String>,
+    /// Give E2B sandboxes created with `allow_internet_access: true` (the SDKs' default)
+    /// policy `egress`; without it they get ember's default, `none` (`network.allowOut` /
+    /// `denyOut` lists are honoured either way).
+    #[arg(long)]
+    pub e2b_allow_internet: bool,
     /// Also serve (the same API) over TLS on this address, with a certificate for
     /// `*.<DOMAIN>` signed by a local CA kept in `$EMBER_HOME/tls` (made on first use; point
     /// clients' `SSL_CERT_FILE` at its bundle). Needs `--domain`.
@@ -77,6 +82,7 @@ pub struct ServeArgs {
 fn e2b_options(a: &ServeArgs) -> Result<E2bOptions, String> {
     let mut o = E2bOptions {
         domain: a.domain.clone().filter(|d| !d.trim().is_empty()),
+        allow_internet: a.e2b_allow_internet,
         ..E2bOptions::default()
     };
     for spec in &a.e2b_alias {

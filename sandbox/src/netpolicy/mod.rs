@@ -491,9 +491,14 @@ impl NetManager {
                      addr add {GATEWAY}/{LINK_PREFIX} dev {tap}\n\
                      link set {tap} up\n\
                      addr add {ns_ip}/30 dev {veth}\n\
-                     link set {veth} up\n",
+                     link set {veth} up\n{route}",
                     tap = nft::TAP,
                     veth = nft::VETH,
+                    route = if policy.mode == NetMode::Egress {
+                        format!("route add default via {host_ip}\n")
+                    } else {
+                        String::new()
+                    },
                 )),
             )?;
             write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")?;
@@ -514,10 +519,12 @@ impl NetManager {
         let (host_ip, _) = self.slot_addrs(net.slot);
         let egress = policy.mode == NetMode::Egress;
         let rules = nft::sandbox(policy, &self.side(h), false);
+        // At set-up the rules and the route are in place already.
         in_netns(&net.path, || -> Result<_, NetError> {
-            if rerender {
-                nft::apply(&rules)?;
+            if !rerender {
+                return Ok(());
             }
+            nft::apply(&rules)?;
             if egress {
                 run(
                     "ip",

@@ -484,8 +484,8 @@ mod tests {
     fn side() -> SandboxSide {
         SandboxSide {
             gateway: "172.30.0.1".parse().unwrap(),
-            host_addrs: vec!["203.0.113.1".parse().unwrap(), "10.1.1.1".parse().unwrap()],
-            pool: Cidr4::parse("10.199.0.0/16").unwrap(),
+            host_addrs: vec!["192.0.2.7".parse().unwrap(), "10.1.1.1".parse().unwrap()],
+            pool: Cidr4::parse("203.0.113.0/24").unwrap(),
         }
     }
 
@@ -527,9 +527,9 @@ mod tests {
         for needle in [
             "\"192.168.7.0\"",
             "\"198.51.100.7\"",
-            "\"203.0.113.1\"",
+            "\"192.0.2.7\"",
             "\"169.254.0.0\"",
-            "\"10.199.0.0\"",
+            "\"203.0.113.0\"",
             "\"@dns4\"",
             "\"ct count\"",
             "\"rate\":512",

@@ -261,8 +261,46 @@ pub struct NewSandbox {
     /// Pause instead of kill at the timeout.
     #[serde(rename = "autoPause")]
     pub auto_pause: Option<bool>,
-    /// Network access (ember's sandboxes have none; accepted and ignored).
+    /// Internet access: `egress` when the server honours it (`--e2b-allow-internet`).
     pub allow_internet_access: Option<bool>,
+    /// Egress lists.
+    pub network: Option<E2bNetwork>,
+}
+
+/// `SandboxNetworkConfig`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct E2bNetwork {
+    /// Allowed destinations: CIDRs or addresses (`allow_cidrs`) and host names
+    /// (`allow_domains`).
+    #[serde(rename = "allowOut")]
+    pub allow_out: Option<Vec<String>>,
+    /// Denied CIDRs (`0.0.0.0/0` with an allow list: only the allow list).
+    #[serde(rename = "denyOut")]
+    pub deny_out: Option<Vec<String>>,
+}
+
+/// ember's policy for an E2B create request.
+pub fn e2b_policy(body: &NewSandbox, honour_internet: bool) -> crate::runtime::NetworkPolicy {
+    use crate::runtime::{NetMode, NetworkPolicy};
+    let mut p = NetworkPolicy::default();
+    if honour_internet && body.allow_internet_access == Some(true) {
+        p.mode = NetMode::Egress;
+    }
+    if let Some(n) = &body.network {
+        for a in n.allow_out.iter().flatten() {
+            if crate::netpolicy::Cidr4::parse(a).is_ok() {
+                p.allow_cidrs.push(a.clone());
+            } else {
+                p.allow_domains.push(a.clone());
+            }
+        }
+        p.deny_cidrs.extend(n.deny_out.iter().flatten().cloned());
+        if !p.allow_cidrs.is_empty() || !p.allow_domains.is_empty() || !p.deny_cidrs.is_empty() {
+            p.mode = NetMode::Egress;
+        }
+    }
+    p
 }
 
 /// The ember template an E2B template id names (aliases, then the id itself; a `:tag` is
@@ -296,6 +334,7 @@ async fn create(
         } else {
             OnTimeout::Kill
         },
+        network: e2b_policy(&body, st.opts.allow_internet),
         env: body.env_vars.unwrap_or_default(),
         metadata: body.metadata.unwrap_or_default(),
         ..Default::default()
@@ -734,4 +773,31 @@ async fn list_snapshots(
         Value::Array(items.iter().map(snapshot_json).collect()),
         next,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::NetMode;
+
+    #[test]
+    fn e2b_network_options_map_to_a_policy() {
+        let body: NewSandbox = serde_json::from_value(serde_json::json!({
+            "templateID": "base", "allow_internet_access": true,
+        }))
+        .unwrap();
+        assert_eq!(e2b_policy(&body, false).mode, NetMode::None);
+        assert_eq!(e2b_policy(&body, true).mode, NetMode::Egress);
+        let body: NewSandbox = serde_json::from_value(serde_json::json!({
+            "network": {"allowOut": ["1.2.3.4", "10.1.0.0/16", "pypi.org"],
+                        "denyOut": ["0.0.0.0/0"]},
+        }))
+        .unwrap();
+        let p = e2b_policy(&body, false);
+        assert_eq!(p.mode, NetMode::Egress);
+        assert_eq!(p.allow_cidrs, ["1.2.3.4", "10.1.0.0/16"]);
+        assert_eq!(p.allow_domains, ["pypi.org"]);
+        assert_eq!(p.deny_cidrs, ["0.0.0.0/0"]);
+        p.validate().unwrap();
+    }
 }

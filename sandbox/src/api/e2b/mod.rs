@@ -57,6 +57,10 @@ pub struct E2bOptions {
     /// `base` → `default` unless configured otherwise). Names not in the map are ember
     /// template names.
     pub aliases: BTreeMap<String, String>,
+    /// Honour `allow_internet_access: true` (which the SDKs send by default) with policy
+    /// `egress`. Off: such sandboxes get ember's default, `none`, unless the request names
+    /// `network.allowOut`/`denyOut` lists.
+    pub allow_internet: bool,
 }
 
 impl Default for E2bOptions {
@@ -67,6 +71,7 @@ impl Default for E2bOptions {
         E2bOptions {
             domain: None,
             aliases,
+            allow_internet: false,
         }
     }
 }
