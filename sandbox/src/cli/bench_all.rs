@@ -690,7 +690,16 @@ fn parallel(cx: &Ctx<'_>, target: &Target) -> Res<()> {
         cx.pb.set_message(format!(
             "parallel: {clients} client(s) × {per_client} create+kill"
         ));
-        let rate = bench_api::create_rate(target, name, clients, per_client)?;
+        // A level whose creates fail (the host out of breath) is a note; the others still run.
+        let rate = match bench_api::create_rate(target, name, clients, per_client) {
+            Ok(r) => r,
+            Err(e) => {
+                stop_if_interrupted()?;
+                cx.note(SC, format!("{clients} clients: a create failed: {e}"))?;
+                cx.step(format!("parallel: {clients} clients failed"));
+                continue;
+            }
+        };
         let x = Some(clients as f64);
         for (run, v) in rate.create_samples.iter().enumerate() {
             cx.put(
