@@ -64,7 +64,8 @@ pub struct Environment {
     pub guest_rootfs: String,
     /// ember's version.
     pub ember_version: String,
-    /// ember's git revision.
+    /// The git revision of the source tree the binary was built in, read when the run starts
+    /// (`EMBER_GIT_REV` at build time wins).
     pub git_revision: String,
     /// Peer versions (`firecracker`, `qemu`), when run.
     pub peers: Vec<(String, String)>,

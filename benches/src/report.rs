@@ -223,7 +223,7 @@ pub fn html(lines: &[Line], plots: &[(String, Plotted)]) -> String {
             ("guest kernel", e.guest_kernel.clone()),
             ("guest rootfs", e.guest_rootfs.clone()),
             ("ember version", e.ember_version.clone()),
-            ("git revision", e.git_revision.clone()),
+            ("git revision (tree at run time)", e.git_revision.clone()),
         ];
         for (k, v) in &e.peers {
             kv.push(("peer", format!("{k}: {v}")));
