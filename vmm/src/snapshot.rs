@@ -1,8 +1,10 @@
-//! Full snapshots and restore.
+//! Full, diff and layered snapshots, and restore.
 //!
 //! A snapshot is a directory written atomically (temp dir + rename, `ember_snapshot::dir`):
 //! `state` (magic, version, bincode body, CRC64: [`VmState`]) and `memory` (guest RAM, sparse:
-//! all-zero pages are holes). Disks are referenced by path in the state.
+//! all-zero pages are holes). Disks are referenced by path in the state. A layered snapshot
+//! (`crate::layer`) has only the pages that differ from its base memory file in `memory`, and
+//! `layer` naming that base; restore maps the base and the layer's pages over it.
 //!
 //! Restore is a start mode: the state file is read and checked (format, checksum, host kind,
 //! CPU profile, CPUID, memory file size) before anything is built; guest memory is the
