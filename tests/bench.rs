@@ -1,7 +1,8 @@
 //! `ember bench all --quick` end to end: every scenario writes well-formed JSON lines with
 //! samples, every plot is a PNG with something drawn on it, the HTML report loads in headless
 //! Chromium without errors and with every plot decoded, a missing peer is a skip line, and
-//! `ember bench compare` of a record with itself flags nothing.
+//! `ember bench compare` of a record with itself flags nothing; and Ctrl-C in the middle of a
+//! run exits 130 with what was measured written out.
 //!
 //! One `--quick` run serves all the checks (a few minutes on kvm_pvm). Chromium (Debian
 //! `chromium`) is required under `CI=true`; elsewhere its absence is reported and that check
@@ -214,4 +215,52 @@ fn bench_all_quick_writes_samples_plots_and_a_report() {
         "console errors: {console_errors:?}"
     );
     eprintln!("total {:.0} s", started.elapsed().as_secs_f64());
+}
+
+#[test]
+fn ctrl_c_stops_cleanly_and_keeps_what_was_measured() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out_dir = dir.path().join("run");
+    let mut child = Command::new(bin("ember"))
+        .args(["bench", "all", "--quick", "--only", "rtt", "--out"])
+        .arg(&out_dir)
+        .env("EMBER_VMM", bin("ember-vmm"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run ember bench all");
+    // Wait for the first sample, then Ctrl-C (SIGINT to ember alone: it must stop its own
+    // sandboxes).
+    let samples = out_dir.join("samples.jsonl");
+    let t0 = std::time::Instant::now();
+    loop {
+        let text = std::fs::read_to_string(&samples).unwrap_or_default();
+        if text.contains("\"type\":\"sample\"") {
+            break;
+        }
+        if let Ok(Some(st)) = child.try_wait() {
+            panic!("ember bench all exited ({st}) before its first sample");
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(300),
+            "no sample within 300 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    assert_eq!(rc, 0);
+    let out = child.wait_with_output().expect("wait for ember");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    let text = std::fs::read_to_string(&samples).expect("samples.jsonl");
+    assert!(text.contains("\"type\":\"sample\""), "{text}");
+    assert!(text.contains("interrupted (Ctrl-C)"), "{text}");
+    let html = std::fs::read_to_string(out_dir.join("report.html")).expect("report.html");
+    assert!(
+        html.contains("<h2 id=\"rtt\">"),
+        "the report lacks what was measured"
+    );
+    assert!(html.trim_end().ends_with("</html>"));
 }
