@@ -373,11 +373,19 @@ fn policies_are_enforced_and_changeable_at_run_time() {
             ..Default::default()
         },
     );
+    let limited = create(
+        &rt,
+        NetworkPolicy {
+            mode: NetMode::Egress,
+            max_connections: Some(2),
+            ..Default::default()
+        },
+    );
     eprintln!(
-        "[network] 4 sandboxes in {:.1}s",
+        "[network] 5 sandboxes in {:.1}s",
         t0.elapsed().as_secs_f64()
     );
-    for id in [&none, &open, &named, &listed] {
+    for id in [&none, &open, &named, &listed, &limited] {
         py(&rt, id, HELPERS);
     }
     let mut failures: Vec<String> = Vec::new();
@@ -462,6 +470,22 @@ fn policies_are_enforced_and_changeable_at_run_time() {
         "ERR",
     );
 
+    // max_connections: two held open, the third refused; one closes, a new one passes.
+    expect(
+        "limited → 3 concurrent connections",
+        py(
+            &rt,
+            &limited,
+            &format!(
+                "held = [socket.create_connection(({PEER_OK:?}, 8080), timeout=4) for _ in range(2)]\n\
+                 third = tcp({PEER_OK:?}, 8080)\n\
+                 held.pop().close()\n\
+                 import time; time.sleep(0.5)\n\
+                 print('two held, third', third, 'after a close', tcp({PEER_OK:?}, 8080))"
+            ),
+        ),
+        "two held, third ERR",
+    );
     assert_eq!(
         topo.metadata.get(),
         0,
@@ -524,8 +548,8 @@ fn policies_are_enforced_and_changeable_at_run_time() {
 
     // One sandbox's namespace: TAP, veth, rules; the host side: one table.
     let mine = own_namespaces(&format!("em-{tag}-"));
-    assert_eq!(mine.len(), 4, "{mine:?}");
-    assert_eq!(host_links(&topo, &format!("vh{tag}")).len(), 4);
+    assert_eq!(mine.len(), 5, "{mine:?}");
+    assert_eq!(host_links(&topo, &format!("vh{tag}")).len(), 5);
     assert!(host_tables(&topo).contains(&format!("ember_{tag}")));
     let ns = mine.iter().next().unwrap();
     let rules = Command::new("ip")
@@ -540,7 +564,7 @@ fn policies_are_enforced_and_changeable_at_run_time() {
         .count();
     eprintln!("[network] nftables rules in one sandbox's namespace: {n_rules}");
 
-    for id in [&none, &open, &named, &listed] {
+    for id in [&none, &open, &named, &listed, &limited] {
         rt.kill(id).unwrap();
     }
     // The audit log has the refused connections.

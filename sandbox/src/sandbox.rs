@@ -189,6 +189,9 @@ pub struct Sandbox {
     template: Option<String>,
     timings: CreateTimings,
     env: BTreeMap<String, String>,
+    /// The isolated network namespace of an unjailed restore of a networked snapshot
+    /// (deleted after the VMM, on drop).
+    netns: Option<ember_vmm::netns::IsolatedNetns>,
 }
 
 /// A pooled connection; goes back to the pool on drop unless a call on it failed.
@@ -275,6 +278,20 @@ impl Sandbox {
             .arg(dir.join("report.jsonl"))
             .arg("--serial")
             .arg(format!("file:{}", dir.join("console.log").display()));
+        // A networked snapshot's VMM opens its TAP by name: outside the runtime (which gives
+        // each sandbox a namespace with a policy) it runs in an isolated namespace, which is
+        // policy `none`.
+        let netns =
+            ember_vmm::netns::for_snapshot(snapshot).map_err(|message| SandboxError::Vmm {
+                id: id.clone(),
+                message: format!("network namespace: {message}"),
+            })?;
+        if let Some(ns) = &netns {
+            ns.enter_on_exec(&mut cmd).map_err(|e| SandboxError::Vmm {
+                id: id.clone(),
+                message: e.to_string(),
+            })?;
+        }
         let spec = LaunchSpec {
             command: cmd,
             dir: dir.clone(),
@@ -283,7 +300,9 @@ impl Sandbox {
             log,
             die_with_parent: opts.die_with_parent,
         };
-        Sandbox::launch(id, spec, opts.connect_timeout)
+        let mut s = Sandbox::launch(id, spec, opts.connect_timeout)?;
+        s.netns = netns;
+        Ok(s)
     }
 
     /// Starts a VMM with `spec.command` (any launcher: the VMM itself, or `ember-jailer`
@@ -339,6 +358,7 @@ impl Sandbox {
             template: None,
             timings: CreateTimings::default(),
             env: BTreeMap::new(),
+            netns: None,
         };
         // From here on, a failure kills the VMM (Drop).
         sandbox.wait_socket(t0, connect_timeout)?;
@@ -404,6 +424,7 @@ impl Sandbox {
             template: None,
             timings: CreateTimings::default(),
             env: BTreeMap::new(),
+            netns: None,
         })
     }
 

@@ -782,8 +782,15 @@ fn build_into(
         });
         config.cmdline_extra.push(crate::netpolicy::guest_cmdline());
         Some(
-            crate::netpolicy::BuildNetns::create()
-                .map_err(|e| vmm_err(format!("cannot set up the build's network: {e}")))?,
+            ember_vmm::netns::IsolatedNetns::create(&[(
+                crate::netpolicy::nft::TAP,
+                Some(&format!(
+                    "{}/{}",
+                    crate::netpolicy::GATEWAY,
+                    crate::netpolicy::LINK_PREFIX
+                )),
+            )])
+            .map_err(|e| vmm_err(format!("cannot set up the build's network: {e}")))?,
         )
     } else {
         None

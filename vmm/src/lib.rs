@@ -15,6 +15,7 @@ pub mod launcher;
 pub mod layer;
 pub mod logging;
 pub mod memory;
+pub mod netns;
 pub mod report;
 pub mod rotating_file;
 pub mod seccomp;

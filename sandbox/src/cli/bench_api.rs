@@ -398,9 +398,17 @@ pub(crate) fn bare_restore_ping(t: &Template, vmm: &Path) -> Result<f64> {
         .tempdir_in(&tmp)
         .map_err(io_err("cannot create a directory in", &tmp))?;
     let uds = dir.path().join("vsock");
+    // A networked template's TAP, in an isolated namespace made before the clock starts.
+    let netns = ember_vmm::netns::for_snapshot(&t.snapshot_dir())
+        .map_err(|m| BenchApiError::Unexpected(format!("bare restore: {m}")))?;
+    let mut command = Command::new(vmm);
+    if let Some(ns) = &netns {
+        ns.enter_on_exec(&mut command)
+            .map_err(|e| BenchApiError::Unexpected(format!("bare restore: {e}")))?;
+    }
     let t0 = Instant::now();
     let mut child = Reaper(
-        Command::new(vmm)
+        command
             .arg("--restore")
             .arg(t.snapshot_dir())
             .arg("--vsock-uds")

@@ -44,8 +44,14 @@ pub struct BenchSandboxArgs {
 fn bare_restore_ping(t: &Template, vmm: &std::path::Path) -> Result<f64, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let uds = dir.path().join("vsock");
+    // A networked template's TAP, in an isolated namespace made before the clock starts.
+    let netns = ember_vmm::netns::for_snapshot(&t.snapshot_dir())?;
+    let mut command = Command::new(vmm);
+    if let Some(ns) = &netns {
+        ns.enter_on_exec(&mut command).map_err(|e| e.to_string())?;
+    }
     let t0 = Instant::now();
-    let mut child = Command::new(vmm)
+    let mut child = command
         .arg("--restore")
         .arg(t.snapshot_dir())
         .arg("--vsock-uds")

@@ -1,0 +1,216 @@
+//! An isolated network namespace for a VM started outside the sandbox runtime (a template
+//! build, `ember run`, a benchmark): the TAP its snapshot names and nothing else — no uplink,
+//! no route out. Host-side orchestration, like [`crate::launcher`]; the VMM process itself
+//! only joins it (between fork and exec) and opens the TAP by name.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// Where network namespaces are mounted (`ip netns` convention).
+pub const NETNS_DIR: &str = "/run/netns";
+
+/// Errors creating the namespace.
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsError {
+    /// An `ip` command failed.
+    #[error("`{cmd}` failed: {detail} (is iproute2 installed, and are we root?)")]
+    Command {
+        /// The command.
+        cmd: String,
+        /// Its error output.
+        detail: String,
+    },
+    /// The namespace could not be opened.
+    #[error("cannot open {path}: {source}")]
+    Open {
+        /// The namespace's path.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+fn ip(args: &[&str], stdin: Option<&str>) -> Result<(), NetnsError> {
+    use std::io::Write;
+    let shown = || format!("ip {}", args.join(" "));
+    let mut child = Command::new("ip")
+        .args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| NetnsError::Command {
+            cmd: shown(),
+            detail: e.to_string(),
+        })?;
+    if let (Some(text), Some(mut w)) = (stdin, child.stdin.take()) {
+        let _ = w.write_all(text.as_bytes());
+    }
+    let out = child.wait_with_output().map_err(|e| NetnsError::Command {
+        cmd: shown(),
+        detail: e.to_string(),
+    })?;
+    if !out.status.success() {
+        return Err(NetnsError::Command {
+            cmd: shown(),
+            detail: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// A throwaway namespace holding TAPs and nothing else. Deleted on drop.
+#[derive(Debug)]
+pub struct IsolatedNetns {
+    name: String,
+    path: PathBuf,
+}
+
+impl IsolatedNetns {
+    /// Creates `em-iso-<random>` with `lo` up and, for each `(tap, cidr)`, a TAP with that
+    /// address (or none) and up.
+    pub fn create(taps: &[(&str, Option<&str>)]) -> Result<IsolatedNetns, NetnsError> {
+        let mut b = [0u8; 4];
+        // SAFETY: the buffer is valid for 4 writable bytes; a short read only weakens the
+        // name's randomness (the pid is in it too).
+        let _ = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+        let name = format!(
+            "em-iso-{}-{:02x}{:02x}{:02x}{:02x}",
+            std::process::id(),
+            b[0],
+            b[1],
+            b[2],
+            b[3]
+        );
+        ip(&["netns", "add", &name], None)?;
+        let ns = IsolatedNetns {
+            path: Path::new(NETNS_DIR).join(&name),
+            name,
+        };
+        let mut batch = String::from("link set lo up\n");
+        for (tap, cidr) in taps {
+            batch.push_str(&format!("tuntap add dev {tap} mode tap\n"));
+            if let Some(c) = cidr {
+                batch.push_str(&format!("addr add {c} dev {tap}\n"));
+            }
+            batch.push_str(&format!("link set {tap} up\n"));
+        }
+        ip(&["-n", &ns.name, "-batch", "-"], Some(&batch))?;
+        Ok(ns)
+    }
+
+    /// The namespace's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its path under [`NETNS_DIR`].
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Makes `command` start inside the namespace.
+    pub fn enter_on_exec(&self, command: &mut Command) -> Result<(), NetnsError> {
+        use std::os::unix::process::CommandExt;
+        let file = File::open(&self.path).map_err(|source| NetnsError::Open {
+            path: self.path.clone(),
+            source,
+        })?;
+        let fd = file.as_raw_fd();
+        let enter = move || {
+            let _keep = &file;
+            // SAFETY: setns(2) on a descriptor that `file` (owned by this closure, which the
+            // command keeps until it is dropped) holds open; it changes only the calling
+            // (child) process's network namespace.
+            if unsafe { libc::setns(fd, libc::CLONE_NEWNET) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        };
+        // SAFETY: the closure runs in the child between fork and exec and makes one system
+        // call, which is async-signal-safe; it allocates nothing and takes no lock.
+        unsafe {
+            command.pre_exec(enter);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for IsolatedNetns {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.name], None);
+    }
+}
+
+/// The TAP names a snapshot's VM configuration uses (empty: no network device).
+pub fn snapshot_taps(snapshot: &Path) -> Result<Vec<String>, crate::snapshot::SnapshotError> {
+    let state = crate::snapshot::load_state(snapshot, &crate::snapshot::RestoreOptions::default())?;
+    Ok(state.config.net.iter().map(|n| n.tap.clone()).collect())
+}
+
+/// An isolated namespace with the TAPs of `snapshot`, or None when it has no network device.
+pub fn for_snapshot(snapshot: &Path) -> Result<Option<IsolatedNetns>, String> {
+    let taps = snapshot_taps(snapshot).map_err(|e| e.to_string())?;
+    if taps.is_empty() {
+        return Ok(None);
+    }
+    let list: Vec<(&str, Option<&str>)> = taps.iter().map(|t| (t.as_str(), None)).collect();
+    IsolatedNetns::create(&list)
+        .map(Some)
+        .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_isolated_namespace_holds_its_taps_and_goes_on_drop() {
+        if !Path::new("/dev/net/tun").exists() || unsafe_free_uid() != 0 {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "needs root and /dev/net/tun"
+            );
+            eprintln!("SKIPPED: needs root and /dev/net/tun");
+            return;
+        }
+        let ns = IsolatedNetns::create(&[("tap0", Some("172.30.0.1/30")), ("tap1", None)])
+            .expect("create");
+        let path = ns.path().to_path_buf();
+        assert!(path.exists());
+        let out = Command::new("ip")
+            .args(["-n", ns.name(), "-o", "link", "show"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("tap0") && text.contains("tap1"), "{text}");
+        assert!(!text.contains("eth"), "{text}");
+        let mut cmd = Command::new("cat");
+        cmd.arg("/proc/self/net/dev");
+        ns.enter_on_exec(&mut cmd).unwrap();
+        let devs = String::from_utf8_lossy(&cmd.output().unwrap().stdout).into_owned();
+        assert!(
+            devs.contains("tap0"),
+            "the child is not in the namespace: {devs}"
+        );
+        drop(ns);
+        assert!(!path.exists());
+    }
+
+    fn unsafe_free_uid() -> u32 {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("Uid:"))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            })
+            .unwrap_or(u32::MAX)
+    }
+}
