@@ -190,7 +190,7 @@ mod tests {
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains("tap0") && text.contains("tap1"), "{text}");
-        assert!(!text.contains("eth"), "{text}");
+        assert_eq!(text.lines().count(), 3, "lo and the two TAPs only: {text}");
         let mut cmd = Command::new("cat");
         cmd.arg("/proc/self/net/dev");
         ns.enter_on_exec(&mut cmd).unwrap();
