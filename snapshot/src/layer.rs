@@ -341,7 +341,10 @@ mod tests {
         assert!(matches!(e, LayerError::BaseChanged { .. }), "{e}");
         // (The filesystem may reuse the freed inode number: the mtime still tells.)
         let msg = e.to_string();
-        assert!(msg.contains("not the one") && msg.contains("memory"), "{msg}");
+        assert!(
+            msg.contains("not the one") && msg.contains("memory"),
+            "{msg}"
+        );
         // And it cannot be linked in as the base either.
         let e = link_base(snap.path(), &layer, &base).expect_err("changed");
         assert!(matches!(e, LayerError::BaseChanged { .. }), "{e}");
