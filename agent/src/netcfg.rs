@@ -20,6 +20,13 @@ pub const IFACE: &CStr = c"eth0";
 /// Where the resolver configuration is written (`/etc/resolv.conf` links here).
 pub const RESOLV_CONF: &str = "/run/resolv.conf";
 
+/// TCP settings written when `eth0` is configured.
+pub const TCP_TUNING: [(&str, &str); 3] = [
+    ("/proc/sys/net/ipv4/tcp_min_tso_segs", "44"),
+    ("/proc/sys/net/ipv4/tcp_wmem", "4096 1048576 8388608"),
+    ("/proc/sys/net/ipv4/tcp_rmem", "4096 1048576 8388608"),
+];
+
 /// What `ember.net` asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NetSpec {
@@ -174,6 +181,12 @@ pub fn configure(spec: Option<&NetSpec>) -> Result<(), NetcfgError> {
     ioctl(&fd, libc::SIOCADDRT, (&mut rt as *mut libc::rtentry).cast())
         .map_err(err("adding the default route"))?;
 
+    // The guest pays per packet (each one is guest-kernel work, slow on kvm_pvm), not per
+    // byte: bigger TSO frames and socket buffers (the values tests/devices_guest.rs measured
+    // with). Best effort: a kernel without these knobs still has a working network.
+    for (knob, value) in TCP_TUNING {
+        let _ = std::fs::write(knob, value);
+    }
     std::fs::write(
         RESOLV_CONF,
         format!(
