@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::types::{ExposedPort, NetMode, NetworkPolicy, SandboxNetwork, State};
 use super::{lock, Runtime, RuntimeError};
-use crate::netpolicy::{NetStats, SandboxNet};
+use crate::netpolicy::{NetError, NetStats, SandboxNet};
 
 /// Most exposed ports per sandbox.
 pub const MAX_PORTS: usize = 32;
@@ -52,7 +52,12 @@ impl Runtime {
             .net
             .setup(jail_id, uid, policy)
             .map(Some)
-            .map_err(|e| RuntimeError::Internal(e.to_string()))
+            .map_err(|e| match e {
+                // The caller asked for something this host cannot give.
+                NetError::NoUplink | NetError::Config(_) => RuntimeError::Invalid(e.to_string()),
+                NetError::PoolExhausted(_) => RuntimeError::Capacity(e.to_string()),
+                e => RuntimeError::Internal(e.to_string()),
+            })
     }
 
     /// Writes an audit record of the connections a sandbox had refused (before its
