@@ -15,13 +15,8 @@ pub const NETNS_DIR: &str = "/run/netns";
 #[derive(Debug, thiserror::Error)]
 pub enum NetnsError {
     /// An `ip` command failed.
-    #[error("`{cmd}` failed: {detail} (is iproute2 installed, and are we root?)")]
-    Command {
-        /// The command.
-        cmd: String,
-        /// Its error output.
-        detail: String,
-    },
+    #[error("{0} (is iproute2 installed, and are we root?)")]
+    Tool(ToolError),
     /// The namespace could not be opened.
     #[error("cannot open {path}: {source}")]
     Open {
@@ -32,37 +27,69 @@ pub enum NetnsError {
     },
 }
 
-fn ip(args: &[&str], stdin: Option<&str>) -> Result<(), NetnsError> {
+/// A host tool (`ip`, `nft`) that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolError {
+    /// It could not be started (missing?) or waited for.
+    #[error("cannot run `{cmd}`: {source}")]
+    Spawn {
+        /// The command line.
+        cmd: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// It exited unsuccessfully.
+    #[error("`{cmd}` failed: {stderr}")]
+    Failed {
+        /// The command line (and its input, one line).
+        cmd: String,
+        /// The first lines of its error output.
+        stderr: String,
+    },
+}
+
+/// Runs `cmd args` (with `stdin` on its standard input) in the calling thread's namespaces
+/// and returns its standard output.
+pub fn run_tool(cmd: &str, args: &[&str], stdin: Option<&[u8]>) -> Result<String, ToolError> {
     use std::io::Write;
-    let shown = || format!("ip {}", args.join(" "));
-    let mut child = Command::new("ip")
+    let shown = || format!("{cmd} {}", args.join(" "));
+    let spawn = |source| ToolError::Spawn {
+        cmd: shown(),
+        source,
+    };
+    let mut child = Command::new(cmd)
         .args(args)
         .stdin(if stdin.is_some() {
             Stdio::piped()
         } else {
             Stdio::null()
         })
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| NetnsError::Command {
-            cmd: shown(),
-            detail: e.to_string(),
-        })?;
-    if let (Some(text), Some(mut w)) = (stdin, child.stdin.take()) {
-        let _ = w.write_all(text.as_bytes());
+        .map_err(spawn)?;
+    if let (Some(bytes), Some(mut w)) = (stdin, child.stdin.take()) {
+        w.write_all(bytes).map_err(spawn)?;
     }
-    let out = child.wait_with_output().map_err(|e| NetnsError::Command {
-        cmd: shown(),
-        detail: e.to_string(),
-    })?;
+    let out = child.wait_with_output().map_err(spawn)?;
     if !out.status.success() {
-        return Err(NetnsError::Command {
-            cmd: shown(),
-            detail: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        let err = String::from_utf8_lossy(&out.stderr);
+        let input = stdin
+            .map(|s| format!(" <<< {}", String::from_utf8_lossy(s).replace('\n', "; ")))
+            .filter(|s| s.len() < 400)
+            .unwrap_or_default();
+        return Err(ToolError::Failed {
+            cmd: format!("{}{input}", shown()),
+            stderr: err.lines().take(6).collect::<Vec<_>>().join("; "),
         });
     }
-    Ok(())
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn ip(args: &[&str], stdin: Option<&str>) -> Result<(), NetnsError> {
+    run_tool("ip", args, stdin.map(str::as_bytes))
+        .map(drop)
+        .map_err(NetnsError::Tool)
 }
 
 /// A throwaway namespace holding TAPs and nothing else. Deleted on drop.

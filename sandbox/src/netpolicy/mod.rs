@@ -30,7 +30,6 @@ use std::fs::File;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -56,14 +55,9 @@ pub fn guest_cmdline() -> String {
 /// Errors setting up or changing a sandbox's network.
 #[derive(Debug, thiserror::Error)]
 pub enum NetError {
-    /// A command failed.
-    #[error("network set-up: `{cmd}` failed: {detail}")]
-    Command {
-        /// The command.
-        cmd: String,
-        /// Its error output.
-        detail: String,
-    },
+    /// A command (`ip`) failed.
+    #[error("network set-up: {0}")]
+    Command(#[from] ember_vmm::netns::ToolError),
     /// nftables.
     #[error("network set-up: {0}")]
     Nft(#[from] nft::NftError),
@@ -145,39 +139,11 @@ pub fn in_netns<T: Send>(path: &Path, f: impl FnOnce() -> T + Send) -> Result<T,
 }
 
 fn run(cmd: &str, args: &[&str], stdin: Option<&str>) -> Result<String, NetError> {
-    use std::io::Write;
-    let shown = || format!("{cmd} {}", args.join(" "));
-    let mut child = Command::new(cmd)
-        .args(args)
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| NetError::Command {
-            cmd: shown(),
-            detail: format!("{e} (is iproute2 installed?)"),
-        })?;
-    if let (Some(text), Some(mut w)) = (stdin, child.stdin.take()) {
-        let _ = w.write_all(text.as_bytes());
-    }
-    let out = child.wait_with_output().map_err(|e| NetError::Command {
-        cmd: shown(),
-        detail: e.to_string(),
-    })?;
-    if !out.status.success() {
-        return Err(NetError::Command {
-            cmd: match stdin {
-                Some(s) => format!("{} <<< {}", shown(), s.replace('\n', "; ")),
-                None => shown(),
-            },
-            detail: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-        });
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    Ok(ember_vmm::netns::run_tool(
+        cmd,
+        args,
+        stdin.map(str::as_bytes),
+    )?)
 }
 
 fn write_sysctl(path: &str, value: &str) -> Result<(), NetError> {
@@ -397,6 +363,17 @@ impl NetManager {
         Ok(state)
     }
 
+    /// The handle of namespace `name` in pool slot `slot`.
+    fn sandbox_net(&self, name: String, slot: u32) -> Arc<SandboxNet> {
+        Arc::new(SandboxNet {
+            path: Path::new(NETNS_DIR).join(&name),
+            host_veth: format!("vh{}{slot:x}", self.tag),
+            name,
+            slot,
+            state: Mutex::new(NetState::default()),
+        })
+    }
+
     fn alloc_slot(&self) -> Result<u32, NetError> {
         let n = 1u32 << (32 - self.opts.pool.len as u32 - 2);
         let mut used = self.slots.lock().unwrap_or_else(|p| p.into_inner());
@@ -442,13 +419,7 @@ impl NetManager {
         }
         let slot = self.alloc_slot()?;
         let name = format!("{}{slot}-{jail_id}", self.ns_prefix());
-        let net = Arc::new(SandboxNet {
-            path: Path::new(NETNS_DIR).join(&name),
-            host_veth: format!("vh{}{slot:x}", self.tag),
-            name,
-            slot,
-            state: Mutex::new(NetState::default()),
-        });
+        let net = self.sandbox_net(name, slot);
         match self.build(&net, uid, policy, &h) {
             Ok(()) => Ok(net),
             Err(e) => {
@@ -720,13 +691,7 @@ impl NetManager {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(slot);
-        let net = Arc::new(SandboxNet {
-            path: Path::new(NETNS_DIR).join(&name),
-            host_veth: format!("vh{}{slot:x}", self.tag),
-            name,
-            slot,
-            state: Mutex::new(NetState::default()),
-        });
+        let net = self.sandbox_net(name, slot);
         self.update(&net, policy)?;
         Ok(Some(net))
     }

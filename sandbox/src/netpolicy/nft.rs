@@ -12,7 +12,6 @@
 //!   the other.
 
 use std::net::Ipv4Addr;
-use std::process::{Command, Stdio};
 
 use serde_json::{json, Value};
 
@@ -402,30 +401,12 @@ pub fn apply(ruleset: &Value) -> Result<(), NftError> {
 /// Runs `nft ARGS` (JSON on stdin if given) in the calling thread's network namespace and
 /// returns its stdout.
 pub fn run(args: &[&str], stdin: Option<&Value>) -> Result<String, NftError> {
-    use std::io::Write;
-    let mut child = Command::new("nft")
-        .args(args)
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(NftError::Spawn)?;
-    if let (Some(v), Some(mut w)) = (stdin, child.stdin.take()) {
-        let text = serde_json::to_vec(v).unwrap_or_default();
-        w.write_all(&text).map_err(NftError::Spawn)?;
-    }
-    let out = child.wait_with_output().map_err(NftError::Spawn)?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        return Err(NftError::Refused(
-            err.lines().take(6).collect::<Vec<_>>().join("; "),
-        ));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    use ember_vmm::netns::{run_tool, ToolError};
+    let input = stdin.map(|v| serde_json::to_vec(v).unwrap_or_default());
+    run_tool("nft", args, input.as_deref()).map_err(|e| match e {
+        ToolError::Spawn { source, .. } => NftError::Spawn(source),
+        ToolError::Failed { stderr, .. } => NftError::Refused(stderr),
+    })
 }
 
 /// Counters and samples read back from a sandbox's table.
