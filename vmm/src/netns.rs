@@ -103,6 +103,7 @@ impl IsolatedNetns {
     /// Creates `em-iso-<random>` with `lo` up and, for each `(tap, cidr)`, a TAP with that
     /// address (or none) and up.
     pub fn create(taps: &[(&str, Option<&str>)]) -> Result<IsolatedNetns, NetnsError> {
+        reclaim_orphans();
         let mut b = [0u8; 4];
         // SAFETY: the buffer is valid for 4 writable bytes; a short read only weakens the
         // name's randomness (the pid is in it too).
@@ -169,6 +170,31 @@ impl IsolatedNetns {
     }
 }
 
+/// Deletes the isolated namespaces of processes that no longer run (a `kill -9` of
+/// `ember run` leaves its namespace behind; the next one cleans up).
+pub fn reclaim_orphans() -> usize {
+    let Ok(entries) = std::fs::read_dir(NETNS_DIR) else {
+        return 0;
+    };
+    let mut n = 0;
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix("em-iso-")
+            .and_then(|r| r.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new("/proc").join(pid.to_string()).exists()
+            && ip(&["netns", "del", &name], None).is_ok()
+        {
+            n += 1;
+        }
+    }
+    n
+}
+
 impl Drop for IsolatedNetns {
     fn drop(&mut self) {
         let _ = ip(&["netns", "del", &self.name], None);
@@ -228,6 +254,15 @@ mod tests {
         );
         drop(ns);
         assert!(!path.exists());
+        // One left behind by a process that is gone is reclaimed; a live one's is not.
+        let stale = format!("em-iso-{}-deadbeef", u32::MAX - 1);
+        ip(&["netns", "add", &stale], None).unwrap();
+        let live = IsolatedNetns::create(&[]).unwrap();
+        assert!(
+            !Path::new(NETNS_DIR).join(&stale).exists(),
+            "stale namespace kept"
+        );
+        assert!(live.path().exists());
     }
 
     fn unsafe_free_uid() -> u32 {
