@@ -172,9 +172,12 @@ struct Topo {
 
 impl Topo {
     fn create() -> Topo {
+        // Unique per test: the tests of this file run in parallel threads of one process.
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::SeqCst);
         let pid = std::process::id();
-        let inet = Netns::create(&format!("emt-inet-{pid}"));
-        let host = Netns::create(&format!("emt-host-{pid}"));
+        let inet = Netns::create(&format!("emt-inet-{pid}-{n}"));
+        let host = Netns::create(&format!("emt-host-{pid}-{n}"));
         host.ip(&[
             "link", "add", "up0", "type", "veth", "peer", "name", "eth0", "netns", &inet.name,
         ]);
@@ -276,7 +279,7 @@ fn run_code_text(rt: &Runtime, id: &str, code: &str) -> (String, String) {
 
 const HELPERS: &str = r#"
 import socket
-def tcp(host, port, timeout=4):
+def tcp(host, port, timeout=15):
     try:
         s = socket.create_connection((host, port), timeout=timeout)
         s.settimeout(timeout)
@@ -285,7 +288,7 @@ def tcp(host, port, timeout=4):
         return "OK:" + data
     except Exception as e:
         return "ERR:" + type(e).__name__
-def udp(host, port, timeout=3):
+def udp(host, port, timeout=10):
     try:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         s.settimeout(timeout)
@@ -390,7 +393,8 @@ fn policies_are_enforced_and_changeable_at_run_time() {
     }
     let mut failures: Vec<String> = Vec::new();
     let mut expect = |what: &str, got: String, want_prefix: &str| {
-        eprintln!("[network] {what}: {got}");
+        // Printed with the verdict, so a failure names the check even when output is captured.
+        eprintln!("[network] {what}: {got} (want {want_prefix}…)");
         if !got.starts_with(want_prefix) {
             failures.push(format!("{what}: got {got:?}, want {want_prefix}…"));
         }
@@ -477,10 +481,10 @@ fn policies_are_enforced_and_changeable_at_run_time() {
             &rt,
             &limited,
             &format!(
-                "held = [socket.create_connection(({PEER_OK:?}, 8080), timeout=4) for _ in range(2)]\n\
+                "held = [socket.create_connection(({PEER_OK:?}, 8080), timeout=15) for _ in range(2)]\n\
                  third = tcp({PEER_OK:?}, 8080)\n\
                  held.pop().close()\n\
-                 import time; time.sleep(0.5)\n\
+                 import time; time.sleep(2)\n\
                  print('two held, third', third, 'after a close', tcp({PEER_OK:?}, 8080))"
             ),
         ),

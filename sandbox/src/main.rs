@@ -652,6 +652,25 @@ fn vm_restore(a: RestoreArgs) -> ExitCode {
         Ok(b) => b,
         Err(e) => return err(e),
     };
+    // A networked snapshot's VMM opens its TAP by name: run it (and the jailer) in an
+    // isolated namespace holding that TAP, owned by the jail's uid when jailed.
+    let taps = match ember_vmm::netns::snapshot_taps(&a.snapshot) {
+        Ok(t) => t,
+        Err(e) => return err(e),
+    };
+    let _netns = if taps.is_empty() {
+        None
+    } else {
+        let list: Vec<(&str, Option<&str>)> = taps.iter().map(|t| (t.as_str(), None)).collect();
+        let owner = a.jail.jail.then_some(a.jail.jail_uid);
+        match ember_vmm::netns::IsolatedNetns::create_owned(&list, owner) {
+            Ok(ns) => match ns.enter() {
+                Ok(()) => Some(ns),
+                Err(e) => return err(e),
+            },
+            Err(e) => return err(e),
+        }
+    };
     let dir = match tempfile::Builder::new().prefix("ember-vm-").tempdir() {
         Ok(d) => d,
         Err(e) => return err(format!("cannot create a work directory: {e}")),

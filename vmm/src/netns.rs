@@ -103,6 +103,15 @@ impl IsolatedNetns {
     /// Creates `em-iso-<random>` with `lo` up and, for each `(tap, cidr)`, a TAP with that
     /// address (or none) and up.
     pub fn create(taps: &[(&str, Option<&str>)]) -> Result<IsolatedNetns, NetnsError> {
+        Self::create_owned(taps, None)
+    }
+
+    /// [`IsolatedNetns::create`] with TAPs owned by `owner` (uid and gid), so that a VMM
+    /// that dropped privileges in a jail can open them.
+    pub fn create_owned(
+        taps: &[(&str, Option<&str>)],
+        owner: Option<u32>,
+    ) -> Result<IsolatedNetns, NetnsError> {
         reclaim_orphans();
         let mut b = [0u8; 4];
         // SAFETY: the buffer is valid for 4 writable bytes; a short read only weakens the
@@ -123,7 +132,12 @@ impl IsolatedNetns {
         };
         let mut batch = String::from("link set lo up\n");
         for (tap, cidr) in taps {
-            batch.push_str(&format!("tuntap add dev {tap} mode tap\n"));
+            match owner {
+                Some(u) => batch.push_str(&format!(
+                    "tuntap add dev {tap} mode tap user {u} group {u}\n"
+                )),
+                None => batch.push_str(&format!("tuntap add dev {tap} mode tap\n")),
+            }
             if let Some(c) = cidr {
                 batch.push_str(&format!("addr add {c} dev {tap}\n"));
             }
@@ -141,6 +155,24 @@ impl IsolatedNetns {
     /// Its path under [`NETNS_DIR`].
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Moves the calling thread into the namespace (processes it starts afterwards are
+    /// there too). For a CLI's main thread, before it starts anything.
+    pub fn enter(&self) -> Result<(), NetnsError> {
+        let file = File::open(&self.path).map_err(|source| NetnsError::Open {
+            path: self.path.clone(),
+            source,
+        })?;
+        // SAFETY: setns(2) on a descriptor `file` holds open for the call; it changes only
+        // the calling thread's network namespace.
+        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(NetnsError::Open {
+                path: self.path.clone(),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(())
     }
 
     /// Makes `command` start inside the namespace.

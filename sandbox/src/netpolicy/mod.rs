@@ -271,7 +271,9 @@ pub struct NetManager {
     opts: NetOptions,
     host: Mutex<Option<HostState>>,
     slots: Mutex<BTreeSet<u32>>,
-    rt: tokio::runtime::Runtime,
+    /// The resolvers' runtime (an Option so that Drop can shut it down without blocking:
+    /// the manager may be dropped inside another runtime, e.g. `ember serve`'s).
+    rt: Option<tokio::runtime::Runtime>,
 }
 
 impl std::fmt::Debug for NetManager {
@@ -312,7 +314,7 @@ impl NetManager {
             opts,
             host: Mutex::new(None),
             slots: Mutex::new(BTreeSet::new()),
-            rt,
+            rt: Some(rt),
         })
     }
 
@@ -601,15 +603,20 @@ impl NetManager {
         let resolver = dns::Resolver::new(rules, upstream, allow, denied);
         let (stop, rx) = tokio::sync::watch::channel(false);
         {
-            let _g = self.rt.enter();
+            let Some(rt) = &self.rt else {
+                return Err(NetError::Config(
+                    "the network manager is shutting down".into(),
+                ));
+            };
+            let _g = rt.enter();
             let udp = tokio::net::UdpSocket::from_std(udp).map_err(sys("resolver socket"))?;
             let tcp = tokio::net::TcpListener::from_std(tcp).map_err(sys("resolver socket"))?;
             let (r1, r2) = (resolver.clone(), resolver.clone());
             let (mut rx1, mut rx2) = (rx.clone(), rx);
-            self.rt.spawn(r1.serve_udp(udp, async move {
+            rt.spawn(r1.serve_udp(udp, async move {
                 let _ = rx1.wait_for(|v| *v).await;
             }));
-            self.rt.spawn(r2.serve_tcp(tcp, async move {
+            rt.spawn(r2.serve_tcp(tcp, async move {
                 let _ = rx2.wait_for(|v| *v).await;
             }));
         }
@@ -743,6 +750,14 @@ impl NetManager {
     /// Number of namespaces in use.
     pub fn in_use(&self) -> usize {
         self.slots.lock().map(|s| s.len()).unwrap_or(0)
+    }
+}
+
+impl Drop for NetManager {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
     }
 }
 

@@ -390,7 +390,9 @@ impl Runtime {
         };
         let mut st = lock(&slot.st);
         let ours = st.vm.as_ref().is_some_and(|v| v.jail.id == jail_id);
-        if !ours || st.expected_exit {
+        // A pausing sandbox's VMM exits when its snapshot is written (before `stop_vm` can
+        // mark the exit expected); a failed snapshot is handled by the pause itself.
+        if !ours || st.expected_exit || st.row.state == State::Pausing {
             return;
         }
         let Some(vm) = st.vm.take() else { return };
