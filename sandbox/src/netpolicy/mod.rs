@@ -349,13 +349,6 @@ impl NetManager {
             pool: self.opts.pool,
         });
         nft::apply(&rules)?;
-        if uplink.is_some() {
-            let cur = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward").unwrap_or_default();
-            if cur.trim() != "1" {
-                write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")?;
-                tracing::info!("enabled net.ipv4.ip_forward for sandbox egress");
-            }
-        }
         let state = HostState {
             uplink,
             addrs: host_addrs(),
@@ -374,6 +367,17 @@ impl NetManager {
             slot,
             state: Mutex::new(NetState::default()),
         })
+    }
+
+    /// Turns on IPv4 forwarding on the host side, the first time a sandbox gets egress
+    /// (a host whose sandboxes all have policy `none` is left as it was).
+    fn ensure_forwarding(&self) -> Result<(), NetError> {
+        let cur = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward").unwrap_or_default();
+        if cur.trim() != "1" {
+            write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")?;
+            tracing::info!("enabled net.ipv4.ip_forward for sandbox egress");
+        }
+        Ok(())
     }
 
     fn alloc_slot(&self) -> Result<u32, NetError> {
@@ -416,8 +420,11 @@ impl NetManager {
     ) -> Result<Arc<SandboxNet>, NetError> {
         policy.validate().map_err(NetError::Config)?;
         let h = self.host()?;
-        if policy.mode == NetMode::Egress && h.uplink.is_none() {
-            return Err(NetError::NoUplink);
+        if policy.mode == NetMode::Egress {
+            if h.uplink.is_none() {
+                return Err(NetError::NoUplink);
+            }
+            self.ensure_forwarding()?;
         }
         let slot = self.alloc_slot()?;
         let name = format!("{}{slot}-{jail_id}", self.ns_prefix());
@@ -629,8 +636,11 @@ impl NetManager {
     pub fn update(&self, net: &SandboxNet, policy: &NetworkPolicy) -> Result<(), NetError> {
         policy.validate().map_err(NetError::Config)?;
         let h = self.host()?;
-        if policy.mode == NetMode::Egress && h.uplink.is_none() {
-            return Err(NetError::NoUplink);
+        if policy.mode == NetMode::Egress {
+            if h.uplink.is_none() {
+                return Err(NetError::NoUplink);
+            }
+            self.ensure_forwarding()?;
         }
         self.apply_policy(net, policy, &h, true)
     }
