@@ -369,6 +369,20 @@ impl NetManager {
         })
     }
 
+    /// Checks `policy` and readies the host side for it (the host table; forwarding and an
+    /// uplink for egress).
+    fn prepare(&self, policy: &NetworkPolicy) -> Result<HostState, NetError> {
+        policy.validate().map_err(NetError::Config)?;
+        let h = self.host()?;
+        if policy.mode == NetMode::Egress {
+            if h.uplink.is_none() {
+                return Err(NetError::NoUplink);
+            }
+            self.ensure_forwarding()?;
+        }
+        Ok(h)
+    }
+
     /// Turns on IPv4 forwarding on the host side, the first time a sandbox gets egress
     /// (a host whose sandboxes all have policy `none` is left as it was).
     fn ensure_forwarding(&self) -> Result<(), NetError> {
@@ -418,14 +432,7 @@ impl NetManager {
         uid: u32,
         policy: &NetworkPolicy,
     ) -> Result<Arc<SandboxNet>, NetError> {
-        policy.validate().map_err(NetError::Config)?;
-        let h = self.host()?;
-        if policy.mode == NetMode::Egress {
-            if h.uplink.is_none() {
-                return Err(NetError::NoUplink);
-            }
-            self.ensure_forwarding()?;
-        }
+        let h = self.prepare(policy)?;
         let slot = self.alloc_slot()?;
         let name = format!("{}{slot}-{jail_id}", self.ns_prefix());
         let net = self.sandbox_net(name, slot);
@@ -634,14 +641,7 @@ impl NetManager {
 
     /// Changes a running sandbox's policy (takes effect on its next connection).
     pub fn update(&self, net: &SandboxNet, policy: &NetworkPolicy) -> Result<(), NetError> {
-        policy.validate().map_err(NetError::Config)?;
-        let h = self.host()?;
-        if policy.mode == NetMode::Egress {
-            if h.uplink.is_none() {
-                return Err(NetError::NoUplink);
-            }
-            self.ensure_forwarding()?;
-        }
+        let h = self.prepare(policy)?;
         self.apply_policy(net, policy, &h, true)
     }
 
