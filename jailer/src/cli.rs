@@ -138,6 +138,11 @@ struct RunArgs {
     /// Mount /proc in the jail (pid entries only, other users hidden).
     #[arg(long)]
     mount_proc: bool,
+    /// Hard-link the VMM binary into the jail instead of copying it (jails then share its
+    /// pages; it must be root-owned and writable by nobody else; copied when on another
+    /// file system).
+    #[arg(long)]
+    exec_link: bool,
     /// Allow uid or gid 0 for the VMM.
     #[arg(long)]
     allow_root: bool,
@@ -196,6 +201,7 @@ where
         new_pid_ns: r.new_pid_ns,
         userfaultfd: r.userfaultfd,
         mount_proc: r.mount_proc,
+        exec_link: r.exec_link,
         allow_root: r.allow_root,
         print_timings: r.print_timings,
         vmm_args: r.vmm_args,

@@ -257,11 +257,15 @@ pub fn create_jail_dirs(cfg: &JailConfig) -> Result<(), FsError> {
     Ok(())
 }
 
-/// Copies the VMM binary to `/ember-vmm` in the jail, mode 0555, root-owned.
-/// Always a copy, never a link: the jailed process must not share an inode
-/// with the host's binary.
+/// Places the VMM binary at `/ember-vmm` in the jail, mode 0555, root-owned: a copy, so
+/// that the jailed process does not share an inode with the host's binary; or, with
+/// `exec_link` (a root-owned file made for sharing, checked by `validate`), a hard link
+/// when the jail is on the same file system, so that the jails' VMMs share its pages.
 pub fn install_exec(cfg: &JailConfig) -> Result<PathBuf, FsError> {
     let dest = cfg.host_path(Path::new(JAIL_EXEC_PATH));
+    if cfg.exec_link && fs::hard_link(&cfg.exec_file, &dest).is_ok() {
+        return Ok(dest);
+    }
     copy_file(&cfg.exec_file, &dest, 0o555)?;
     Ok(dest)
 }
@@ -595,6 +599,44 @@ mod tests {
         );
         assert!(root.join("data").is_dir());
         assert!(root.join("etc/one").is_file());
+    }
+
+    #[test]
+    fn exec_link_shares_the_inode_and_validate_refuses_a_writable_binary() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path().join("base");
+        fs::create_dir_all(&base).unwrap();
+        let exe = tmp.path().join("vmm");
+        fs::write(&exe, b"#!/bin/true\n").unwrap();
+        fs::set_permissions(&exe, fs::Permissions::from_mode(0o555)).unwrap();
+        let mut c = cfg(&base);
+        c.exec_file = exe.clone();
+        c.exec_link = true;
+        // Owned by whoever runs the test: root in CI, where validate accepts it.
+        let owner = fs::metadata(&exe).unwrap().uid();
+        if owner == 0 {
+            c.validate().unwrap();
+        }
+        create_jail_dirs(&c).unwrap();
+        let placed = install_exec(&c).unwrap();
+        assert_eq!(
+            fs::metadata(&placed).unwrap().ino(),
+            fs::metadata(&exe).unwrap().ino(),
+            "must be a link"
+        );
+        // Group- or world-writable, or set-id: refused, naming the binary.
+        for mode in [0o775, 0o557, 0o4555] {
+            fs::set_permissions(&exe, fs::Permissions::from_mode(mode)).unwrap();
+            let mut c2 = cfg(&tmp.path().join(format!("b{mode:o}")));
+            fs::create_dir_all(&c2.chroot_base).unwrap();
+            c2.exec_file = exe.clone();
+            c2.exec_link = true;
+            let e = c2.validate().unwrap_err().to_string();
+            assert!(
+                e.contains("--exec-link") && e.contains("vmm"),
+                "{mode:o}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -28,6 +28,8 @@ pub struct JailOptions {
     pub limits: CgroupLimits,
     /// Run the VMM as pid 1 of its own PID namespace.
     pub new_pid_ns: bool,
+    /// Hard-link the VMM binary into the jail (it is a shared copy made for it).
+    pub exec_link: bool,
 }
 
 /// A prepared jailed launch.
@@ -119,6 +121,7 @@ fn common(
     let mut cfg = JailConfig::new(id, vmm, opts.uid, opts.gid, &opts.chroot_base);
     cfg.limits = opts.limits.clone();
     cfg.new_pid_ns = opts.new_pid_ns;
+    cfg.exec_link = opts.exec_link;
     for lib in shared_libraries(vmm)? {
         let dest = lib.display().to_string();
         cfg.files.push(file(&lib, &dest, false));
@@ -337,6 +340,7 @@ mod tests {
             chroot_base: "/srv/jail".into(),
             limits: CgroupLimits::default(),
             new_pid_ns: false,
+            exec_link: false,
         };
         let mut vm = VmConfig::new("/k/vmlinux".into());
         vm.disks.push(ember_vmm::vm::DiskConfig {

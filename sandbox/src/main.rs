@@ -148,6 +148,9 @@ enum BenchCmd {
     /// Runtime + HTTP server end to end: create → first result vs bare restore → ping,
     /// run_code round trip vs the library in-process, creates/s, host memory per idle sandbox.
     Api(cli::bench_api::BenchApiArgs),
+    /// How many idle sandboxes the host holds: host memory, PSS and idle CPU per sandbox as N
+    /// grows, every sandbox answering, and (with --until-failure) what stops it.
+    Density(cli::bench_density::BenchDensityArgs),
     /// Every scenario (boot, restore, sandbox, rtt, parallel, density, pause) beside the peers
     /// that run here: tables, JSON lines of every sample, CDF plots and an HTML report.
     All(cli::bench_all::BenchAllArgs),
@@ -331,6 +334,8 @@ impl JailArgs {
             chroot_base: self.jail_base.clone(),
             limits,
             new_pid_ns: self.jail_pid_ns,
+            // `ember vm` jails one VMM: a private copy of the binary.
+            exec_link: false,
         }))
     }
 }
@@ -969,6 +974,7 @@ fn main() -> ExitCode {
         Cmd::Bench(BenchCmd::Devices(a)) => bench_devices(a),
         Cmd::Bench(BenchCmd::Sandbox(a)) => cli::bench_sandbox::main(a),
         Cmd::Bench(BenchCmd::Api(a)) => cli::bench_api::main(a),
+        Cmd::Bench(BenchCmd::Density(a)) => cli::bench_density::main(a),
         Cmd::Bench(BenchCmd::All(a)) => cli::bench_all::main(a),
         Cmd::Bench(BenchCmd::Compare(a)) => cli::bench_all::compare_main(a),
         Cmd::Images { template } => {

@@ -208,6 +208,13 @@ impl Local {
     /// Opens a runtime on a temporary home and serves it on a free loopback port; returns
     /// the server's address and token.
     pub(crate) fn start() -> Result<(Local, SocketAddr, String)> {
+        Local::start_with(|_| {})
+    }
+
+    /// [`Local::start`] with the runtime's settings adjusted by `adjust` first.
+    pub(crate) fn start_with(
+        adjust: impl FnOnce(&mut RuntimeConfig),
+    ) -> Result<(Local, SocketAddr, String)> {
         let tmp = std::env::temp_dir();
         let home = tempfile::Builder::new()
             .prefix("ember-bench-api-")
@@ -216,6 +223,7 @@ impl Local {
         let mut cfg = RuntimeConfig::new(home.path());
         // Whatever is left when the runtime goes away is killed.
         cfg.kill_on_drop = true;
+        adjust(&mut cfg);
         let token_file = home.path().join("token");
         let mut local = Local {
             rt: None,
@@ -595,6 +603,13 @@ pub(crate) fn vmm_memory(pid: u32) -> Result<VmmMemory> {
         }
     }
     Ok(m)
+}
+
+impl VmmMemory {
+    /// PSS of the guest-memory mapping, KiB.
+    pub(crate) fn guest_pss_kib(&self) -> u64 {
+        self.guest_pss
+    }
 }
 
 /// Idle-memory figures.

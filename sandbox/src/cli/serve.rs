@@ -41,6 +41,11 @@ pub struct ServeArgs {
     /// Highest CPU quota a create may ask for, percent of one CPU (default: no cap).
     #[arg(long)]
     pub max_cpu_percent: Option<u32>,
+    /// Give each jail its own copy of the VMM binary instead of a link to one shared copy
+    /// (no page shared between VMMs but the template's memory; costs each idle sandbox the
+    /// binary's size in private memory).
+    #[arg(long)]
+    pub private_vmm_copies: bool,
     /// After SIGINT/SIGTERM, how long open streams may go on, seconds.
     #[arg(long, value_name = "SECS", default_value_t = 10)]
     pub shutdown_grace: u64,
@@ -132,6 +137,23 @@ fn tls_listener(
     }))
 }
 
+/// Raises the soft open-file limit to the hard one: the server holds a few descriptors per
+/// sandbox, and 1,024 (a common soft default) caps it at a few hundred sandboxes.
+fn raise_open_file_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we pass, which lives for the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 && lim.rlim_cur < lim.rlim_max
+    {
+        lim.rlim_cur = lim.rlim_max;
+        // SAFETY: setrlimit reads the struct we pass; raising the soft limit up to the hard
+        // limit is always allowed.
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
+    }
+}
+
 /// Runs `ember serve`.
 pub fn main(a: ServeArgs) -> ExitCode {
     init_logging();
@@ -155,6 +177,8 @@ pub fn main(a: ServeArgs) -> ExitCode {
         cfg.max_cpu_percent = a.max_cpu_percent;
     }
     cfg.kill_on_drop = false;
+    cfg.share_vmm_binary = !a.private_vmm_copies;
+    raise_open_file_limit();
     cfg.network.uplink = a.uplink.clone();
     match ember_sandbox::netpolicy::Cidr4::parse(&a.net_pool) {
         Ok(p) => cfg.network.pool = p,

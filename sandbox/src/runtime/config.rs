@@ -59,6 +59,12 @@ pub struct RuntimeConfig {
     /// Kill running sandboxes when the runtime is dropped (one-shot tools); a server leaves
     /// them running so that a restart re-attaches them.
     pub kill_on_drop: bool,
+    /// Jails get a hard link to one root-owned copy of the VMM binary per runtime
+    /// (`$EMBER_HOME/bin/`) rather than a copy each, so that idle VMMs share its pages
+    /// (a copy costs each one the binary's text as private memory). The shared copy is
+    /// never the installed binary. Off: a copy per jail, no page shared between VMMs but
+    /// the template's memory.
+    pub share_vmm_binary: bool,
     /// Sandbox networking (uplink, address pool, upstream resolver).
     pub network: crate::netpolicy::NetOptions,
 }
@@ -103,6 +109,7 @@ impl RuntimeConfig {
             log_max_bytes: 1 << 20,
             connect_timeout: Duration::from_secs(120),
             kill_on_drop: false,
+            share_vmm_binary: true,
             network: crate::netpolicy::NetOptions::default(),
         }
     }

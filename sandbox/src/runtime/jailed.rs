@@ -48,6 +48,8 @@ pub struct Binaries {
     pub vmm: PathBuf,
     /// ember-jailer.
     pub jailer: PathBuf,
+    /// `vmm` is the runtime's shared copy: jails hard-link it.
+    pub vmm_link: bool,
 }
 
 impl Binaries {
@@ -70,8 +72,42 @@ impl Binaries {
                 jailer.display()
             )));
         }
-        Ok(Binaries { vmm, jailer })
+        let mut bins = Binaries {
+            vmm,
+            jailer,
+            vmm_link: false,
+        };
+        if cfg.share_vmm_binary {
+            bins.vmm = shared_vmm_copy(&cfg.home.join("bin"), &bins.vmm)?;
+            bins.vmm_link = true;
+        }
+        Ok(bins)
     }
+}
+
+/// A root-owned, read-only copy of `vmm` in `dir`, named by its content hash
+/// (`ember-vmm-<16 hex>`), made once and then reused: the file jails hard-link.
+fn shared_vmm_copy(dir: &Path, vmm: &Path) -> Result<PathBuf, RuntimeError> {
+    use sha2::Digest;
+    use std::os::unix::fs::PermissionsExt;
+    let bytes = std::fs::read(vmm).map_err(RuntimeError::io("cannot read", vmm))?;
+    let hash = sha2::Sha256::digest(&bytes);
+    let name: String = hash[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let dest = dir.join(format!("ember-vmm-{name}"));
+    if let Ok(m) = std::fs::metadata(&dest) {
+        use std::os::unix::fs::MetadataExt;
+        if m.is_file() && m.len() == bytes.len() as u64 && m.mode() & 0o7777 == 0o555 {
+            return Ok(dest);
+        }
+    }
+    std::fs::create_dir_all(dir).map_err(RuntimeError::io("cannot create", dir))?;
+    let tmp = dir.join(format!(".ember-vmm-{name}.{}", std::process::id()));
+    std::fs::write(&tmp, &bytes).map_err(RuntimeError::io("cannot write", &tmp))?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o555))
+        .map_err(RuntimeError::io("cannot set the mode of", &tmp))?;
+    std::fs::rename(&tmp, &dest).map_err(RuntimeError::io("cannot rename into", &dest))?;
+    // Older copies are left to jails that may still link them; they are small and few.
+    Ok(dest)
 }
 
 /// What a jailed start needs.
@@ -142,6 +178,7 @@ fn jail_options(
         chroot_base: cfg.jails_dir(),
         limits,
         new_pid_ns: false,
+        exec_link: bins.vmm_link,
     }
 }
 
