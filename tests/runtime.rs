@@ -299,6 +299,31 @@ fn thirty_two_concurrent_sandboxes_all_answer() {
         .filter(|i| i.state == State::Running)
         .count();
     assert_eq!(running, 32);
+    // Every VMM runs the runtime's one shared copy of the binary (hard-linked into each jail,
+    // so that idle VMMs share its pages): root-owned, read-only, not the build's own file.
+    use std::os::unix::fs::MetadataExt;
+    let exes: Vec<std::fs::Metadata> = ids
+        .iter()
+        .map(|id| {
+            let pid = rt.get(id).unwrap().pid.unwrap();
+            std::fs::metadata(format!("/proc/{pid}/exe")).unwrap()
+        })
+        .collect();
+    let first = &exes[0];
+    assert!(
+        exes.iter()
+            .all(|m| (m.dev(), m.ino()) == (first.dev(), first.ino())),
+        "the VMMs run different copies of the binary"
+    );
+    assert_eq!((first.uid(), first.mode() & 0o7777), (0, 0o555));
+    let build = std::fs::metadata(ember_tests::bin("ember-vmm")).unwrap();
+    assert_ne!((build.dev(), build.ino()), (first.dev(), first.ino()));
+    let shared: Vec<_> = std::fs::read_dir(rt.config().home.join("bin"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.metadata().is_ok_and(|m| m.ino() == first.ino()))
+        .collect();
+    assert_eq!(shared.len(), 1, "the shared copy is in $EMBER_HOME/bin");
     for id in &ids {
         rt.kill(id).unwrap();
     }

@@ -70,8 +70,34 @@ pub enum JailSetupError {
 }
 
 /// The ELF interpreter and shared libraries `binary` needs (empty for a static binary), as
-/// the dynamic loader resolves them on this host.
+/// the dynamic loader resolves them on this host. Remembered per binary (path, size and
+/// modification time): `ldd` is a shell script and a loader run, tens of milliseconds on a
+/// busy host, and every jailed start needs the list.
 pub fn shared_libraries(binary: &Path) -> Result<Vec<PathBuf>, JailSetupError> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    type Key = (PathBuf, u64, Option<std::time::SystemTime>);
+    static CACHE: OnceLock<Mutex<HashMap<Key, Vec<PathBuf>>>> = OnceLock::new();
+    let key = std::fs::metadata(binary)
+        .ok()
+        .map(|m| (binary.to_path_buf(), m.len(), m.modified().ok()));
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(k) = &key {
+        if let Some(libs) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(k) {
+            return Ok(libs.clone());
+        }
+    }
+    let libs = ldd(binary)?;
+    if let Some(k) = key {
+        cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(k, libs.clone());
+    }
+    Ok(libs)
+}
+
+fn ldd(binary: &Path) -> Result<Vec<PathBuf>, JailSetupError> {
     let out = std::process::Command::new("ldd")
         .arg(binary)
         .output()
