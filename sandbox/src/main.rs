@@ -192,7 +192,13 @@ struct BenchRestoreArgs {
     /// ember's working-set prefetch for the restores: off, sync or async.
     #[arg(long, default_value = "off")]
     prefetch: String,
-    /// JSON lines only (one object per system and measure).
+    /// How ember's clones reach the agent: `attach` (the template snapshot keeps an idle agent
+    /// connection, which the clone takes over with `ATTACH`), `connect` (a new connection, no
+    /// transport reset) or `reset` (transport reset + new connection, as restores did before
+    /// connections were kept).
+    #[arg(long, default_value = "attach")]
+    vsock: ember_benches::restore::VsockMode,
+    /// JSON lines only (one object per system and measure, then one per KVM counter).
     #[arg(long)]
     json: bool,
 }
@@ -765,6 +771,7 @@ fn bench_restore(a: BenchRestoreArgs) -> ExitCode {
         firecracker: a.firecracker,
         workdir: work.path().to_path_buf(),
         prefetch: a.prefetch,
+        vsock: a.vsock,
     };
     if !a.json {
         eprintln!(
@@ -782,13 +789,29 @@ fn bench_restore(a: BenchRestoreArgs) -> ExitCode {
         }
     });
     match results {
-        Ok(rs) => {
+        Ok((rs, counts)) => {
             if json {
                 for r in &rs {
                     println!("{}", serde_json::to_string(r).unwrap_or_default());
                 }
+                for c in &counts {
+                    println!("{}", serde_json::to_string(c).unwrap_or_default());
+                }
             } else {
                 print!("{}", ember_benches::restore::table(&rs));
+                if counts.is_empty() {
+                    println!(
+                        "(no KVM counters: reading another process's KVM statistics needs root \
+                         and Linux 5.14)"
+                    );
+                } else {
+                    println!(
+                        "KVM counters from spawn to the ping's answer (both systems, read through \
+                         their KVM descriptors); vmm:* = ember's own reading at the guest's \
+                         first answer"
+                    );
+                    print!("{}", ember_benches::restore::counts_table(&counts));
+                }
             }
             ExitCode::SUCCESS
         }
@@ -818,6 +841,7 @@ fn bench_clones(a: BenchClonesArgs) -> ExitCode {
         firecracker: None,
         workdir: work.path().to_path_buf(),
         prefetch: "off".into(),
+        vsock: ember_benches::restore::VsockMode::Connect,
     };
     if !a.json {
         eprintln!("ember: booting the template guest and taking its snapshot");
