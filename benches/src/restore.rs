@@ -81,7 +81,9 @@ impl std::str::FromStr for VsockMode {
     }
 }
 
-/// KVM counters read per restore (through each VMM's KVM descriptors, both systems alike).
+/// KVM counters reported per restore (ember's VMM reads them at the guest's first answer;
+/// Firecracker's cannot be read from outside its process on this host, see
+/// `ember_vmm::kvmstats`).
 pub const COUNTERS: &[&str] = &[
     "exits",
     "io_exits",
@@ -101,21 +103,6 @@ pub const COUNTERS: &[&str] = &[
     "halt_wakeup",
 ];
 
-/// KVM's counters for the VM of process `pid`, summed over its vCPUs (the [`COUNTERS`]
-/// only), read through the process's own KVM descriptors
-/// ([`ember_vmm::kvmstats::KvmStats::of_process`]); `None` when that is not possible here
-/// (not root, an old kernel, the VM gone).
-pub fn process_counts(pid: u32) -> Option<std::collections::BTreeMap<String, u64>> {
-    let all = ember_vmm::kvmstats::KvmStats::of_process(pid)
-        .ok()?
-        .vcpu_totals();
-    let m: std::collections::BTreeMap<String, u64> = all
-        .into_iter()
-        .filter(|(k, _)| COUNTERS.contains(&k.as_str()))
-        .collect();
-    (!m.is_empty()).then_some(m)
-}
-
 /// What one restore measured.
 #[derive(Debug, Clone, Default)]
 pub struct RestoreSample {
@@ -125,8 +112,6 @@ pub struct RestoreSample {
     pub ping_ms: f64,
     /// Spawn → the guest's first vsock data (the VMM's `guest_first_data` event), ms.
     pub first_answer_ms: Option<f64>,
-    /// KVM counters right after the ping was answered ([`process_counts`]), summed over vCPUs.
-    pub counts: Option<std::collections::BTreeMap<String, u64>>,
     /// KVM counters at the guest's first data, as the VMM itself read them (ember only).
     pub vmm_counts: Option<std::collections::BTreeMap<String, u64>>,
 }
@@ -136,7 +121,7 @@ pub struct RestoreSample {
 pub struct CountResult {
     /// "ember" or "firecracker".
     pub system: String,
-    /// The counter (e.g. `exits`), prefixed `vmm:` when the VMM read it at the first answer.
+    /// The counter (e.g. `exits`), from spawn to the guest's first answer.
     pub counter: String,
     /// Samples.
     pub n: usize,
@@ -361,7 +346,6 @@ impl RestoreBench {
         let vm = Killer(child);
         ping_until_answered_by(&uds, Duration::from_secs(60), self.vsock.keep_connection())?;
         let ping_ms = start.elapsed().as_secs_f64() * 1e3;
-        let counts = process_counts(vm.0.id());
         let running = wait_until("vcpu_first_run", Duration::from_secs(10), || {
             events(&report)
                 .iter()
@@ -387,7 +371,6 @@ impl RestoreBench {
             running_ms: running.saturating_sub(t0) as f64 / 1e6,
             ping_ms,
             first_answer_ms,
-            counts,
             vmm_counts,
         })
     }
@@ -490,14 +473,12 @@ impl RestoreBench {
         let loaded = start.elapsed().as_secs_f64() * 1e3;
         ping_until_answered(&uds, Duration::from_secs(60))?;
         let ping = start.elapsed().as_secs_f64() * 1e3;
-        let counts = process_counts(vm.0.id());
         drop(vm);
         let _ = std::fs::remove_file(&api);
         Ok(RestoreSample {
             running_ms: loaded,
             ping_ms: ping,
             first_answer_ms: None,
-            counts,
             vmm_counts: None,
         })
     }
@@ -561,23 +542,6 @@ impl RestoreBench {
             }
         }
         let mut counts = Vec::new();
-        for (sys, samples) in [("ember", &es), ("firecracker", &fs)] {
-            for name in COUNTERS {
-                let v: Vec<f64> = samples
-                    .iter()
-                    .filter_map(|s| s.counts.as_ref()?.get(*name).map(|&x| x as f64))
-                    .collect();
-                if let Some(sm) = summarize(&v) {
-                    counts.push(CountResult {
-                        system: sys.into(),
-                        counter: (*name).into(),
-                        n: sm.n,
-                        median: sm.median_ms,
-                        p95: sm.p95_ms,
-                    });
-                }
-            }
-        }
         for name in COUNTERS {
             let v: Vec<f64> = es
                 .iter()
@@ -586,7 +550,7 @@ impl RestoreBench {
             if let Some(sm) = summarize(&v) {
                 counts.push(CountResult {
                     system: "ember".into(),
-                    counter: format!("vmm:{name}"),
+                    counter: (*name).to_string(),
                     n: sm.n,
                     median: sm.median_ms,
                     p95: sm.p95_ms,
@@ -627,33 +591,16 @@ pub fn http(sock: &Path, method: &str, path: &str, body: &str) -> Result<String,
     }
 }
 
-/// Formats the counters as a table: one row per counter, both systems side by side.
+/// Formats the counters as a table (median and p95 per counter).
 pub fn counts_table(counts: &[CountResult]) -> String {
     let mut s = format!(
-        "{:<22} {:>4} {:>12} {:>12} {:>12} {:>12}\n",
-        "KVM counter", "n", "ember med", "ember p95", "fc med", "fc p95"
+        "{:<8} {:<20} {:>4} {:>10} {:>10}\n",
+        "system", "KVM counter", "n", "median", "p95"
     );
-    let mut names: Vec<&str> = counts.iter().map(|c| c.counter.as_str()).collect();
-    names.dedup();
-    let mut seen = std::collections::BTreeSet::new();
-    for name in names {
-        if !seen.insert(name) {
-            continue;
-        }
-        let get = |sys: &str| counts.iter().find(|c| c.system == sys && c.counter == name);
-        let (e, f) = (get("ember"), get("firecracker"));
-        let cell = |c: Option<&CountResult>, p95: bool| {
-            c.map(|c| format!("{:.0}", if p95 { c.p95 } else { c.median }))
-                .unwrap_or_else(|| "-".into())
-        };
+    for c in counts {
         s.push_str(&format!(
-            "{:<22} {:>4} {:>12} {:>12} {:>12} {:>12}\n",
-            name,
-            e.or(f).map(|c| c.n).unwrap_or(0),
-            cell(e, false),
-            cell(e, true),
-            cell(f, false),
-            cell(f, true)
+            "{:<8} {:<20} {:>4} {:>10.0} {:>10.0}\n",
+            c.system, c.counter, c.n, c.median, c.p95
         ));
     }
     s

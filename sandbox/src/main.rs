@@ -799,16 +799,10 @@ fn bench_restore(a: BenchRestoreArgs) -> ExitCode {
                 }
             } else {
                 print!("{}", ember_benches::restore::table(&rs));
-                if counts.is_empty() {
+                if !counts.is_empty() {
                     println!(
-                        "(no KVM counters: reading another process's KVM statistics needs root \
-                         and Linux 5.14)"
-                    );
-                } else {
-                    println!(
-                        "KVM counters from spawn to the ping's answer (both systems, read through \
-                         their KVM descriptors); vmm:* = ember's own reading at the guest's \
-                         first answer"
+                        "KVM counters from spawn to the guest's first answer (ember's VMM reads \
+                         them; Firecracker's cannot be read from outside its process here)"
                     );
                     print!("{}", ember_benches::restore::counts_table(&counts));
                 }

@@ -11,7 +11,10 @@
 //! real VM exits.
 //!
 //! The descriptors are opened while the VM is built (before any seccomp filter); reading them
-//! later takes one `pread` per descriptor. A kernel without the ioctl gives an empty set: the
+//! later takes one `pread` per descriptor. Only the VM's own process can open them (KVM
+//! answers `EIO` to ioctls on a VM from another address space, so a descriptor duplicated
+//! with `pidfd_getfd` does not help), and KVM's per-VM debugfs files are not readable on the
+//! kvm_pvm hosts here: another VMM's counters (Firecracker's) cannot be read from outside. A kernel without the ioctl gives an empty set: the
 //! counters are then simply absent from `stats` and the report.
 
 use std::collections::BTreeMap;
@@ -158,65 +161,6 @@ impl KvmStats {
         Self { vm, vcpus }
     }
 
-    /// The counters of the VM another process runs (any VMM: ember, Firecracker, ...): its
-    /// `anon_inode:kvm-vm` and `anon_inode:kvm-vcpu:N` descriptors, found in `/proc/PID/fd`,
-    /// are duplicated with `pidfd_getfd` (Linux 5.6; needs ptrace access to the process, e.g.
-    /// root) and asked for their statistics descriptors. For benchmarks, which compare VMMs
-    /// from the outside (KVM's per-VM debugfs files are not readable on every host).
-    pub fn of_process(pid: u32) -> std::io::Result<Self> {
-        use std::os::fd::OwnedFd;
-        let pid_i = libc::pid_t::try_from(pid)
-            .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "pid too large"))?;
-        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid_i, 0) };
-        if pidfd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: the descriptor was just returned by pidfd_open and is owned by nobody else.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
-        let mut vm = None;
-        let mut vcpus = Vec::new();
-        for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
-            let entry = entry?;
-            let Ok(target) = std::fs::read_link(entry.path()) else {
-                continue;
-            };
-            let target = target.to_string_lossy().into_owned();
-            let is_vm = target == "anon_inode:kvm-vm";
-            if !is_vm && !target.starts_with("anon_inode:kvm-vcpu:") {
-                continue;
-            }
-            let Some(num) = entry
-                .file_name()
-                .to_str()
-                .and_then(|n| n.parse::<i32>().ok())
-            else {
-                continue;
-            };
-            // SAFETY: pidfd_getfd duplicates descriptor `num` of the process into this one;
-            // it returns a new descriptor or -1.
-            let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), num, 0) };
-            if fd < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // SAFETY: just returned by pidfd_getfd, owned by nobody else.
-            let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-            let stats = StatsFd::open(&fd)?;
-            if is_vm {
-                vm = Some(stats);
-            } else {
-                vcpus.push(stats);
-            }
-        }
-        if vm.is_none() && vcpus.is_empty() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                format!("process {pid} holds no KVM VM"),
-            ));
-        }
-        Ok(Self { vm, vcpus })
-    }
-
     /// Whether any counter can be read.
     pub fn available(&self) -> bool {
         self.vm.is_some() || !self.vcpus.is_empty()
@@ -304,9 +248,5 @@ mod tests {
         assert!(stats.vm_totals().contains_key("remote_tlb_flush"));
         let json = stats.to_json();
         assert!(json["vcpu"]["exits"].is_u64(), "{json}");
-        // The same VM seen from "outside" (here: this process through its own pidfd).
-        let outside = KvmStats::of_process(std::process::id()).unwrap();
-        assert_eq!(outside.vcpus.len(), 1);
-        assert!(outside.vcpu_totals().contains_key("exits"));
     }
 }

@@ -12,7 +12,11 @@
 //!   `OK <hostport>\n` at once and the stream continues where it was — the guest sees nothing
 //!   until the client's first bytes, which a program already blocked in `read` on its socket
 //!   gets without an `accept` or a new socket. With no kept connection to that port left,
-//!   `ATTACH` works as `CONNECT`.
+//!   `ATTACH` works as `CONNECT`. A plain `CONNECT` resets the kept connections to its port
+//!   that are still detached (their guest programs are freed, as a transport reset would
+//!   have done), so clients that never `ATTACH` see the old behaviour. `ATTACH` is for
+//!   clients that know the snapshot's connections to that port were idle (e.g. the agent's
+//!   pooled connections, between calls): it continues whatever stream it finds.
 //! - A guest connection to host port P (CID 2) connects (non-blocking) to the Unix socket
 //!   `<uds_path>_P`; if that fails (nobody listens, backlog full) the guest gets RST.
 //!
@@ -211,6 +215,9 @@ pub struct VsockMetrics {
     pub preserved_attached: u64,
     /// Connections a restore reset one by one (instead of a transport reset).
     pub restore_resets: u64,
+    /// Kept connections reset because a host client asked for a new connection to their
+    /// port with a plain `CONNECT`.
+    pub preserved_dropped: u64,
 }
 
 /// The vsock device's snapshot state.

@@ -381,6 +381,11 @@ impl Muxer {
                 return;
             }
         }
+        if let ConnectLine::Connect { port, .. } = line {
+            if !eof {
+                self.drop_detached(port);
+            }
+        }
         match line {
             ConnectLine::Incomplete if !eof => {}
             ConnectLine::Connect { port, consumed } | ConnectLine::Attach { port, consumed }
@@ -439,6 +444,23 @@ impl Muxer {
         self.metrics.preserved_attached += 1;
         self.settle(key, v);
         true
+    }
+
+    /// A plain `CONNECT <port>`: the client wants a new connection, not the kept ones to that
+    /// port, so those are reset now (the guest's programs blocked on them get an error and
+    /// their sockets go away, as a transport reset would have done). Clients that know about
+    /// `ATTACH` use it for every connection; others get the old behaviour.
+    fn drop_detached(&mut self, port: u32) {
+        let keys: Vec<ConnKey> = self
+            .conns
+            .iter()
+            .filter(|(k, c)| k.peer_port == port && c.is_detached())
+            .map(|(k, _)| *k)
+            .collect();
+        for key in keys {
+            self.metrics.preserved_dropped += 1;
+            self.settle(key, Verdict::Reset(ResetCause::PeerGone));
+        }
     }
 
     /// What a snapshot keeps of the connections: the quiet host-initiated ones (see
@@ -922,6 +944,26 @@ mod tests {
         let (h, _) = r.next_rx_packet(4096, &mut p, now).unwrap();
         assert_eq!(h.op, op::REQUEST);
         assert_eq!(r.metrics.preserved_attached, 1);
+    }
+
+    #[test]
+    fn a_plain_connect_resets_the_kept_connections_to_its_port() {
+        let (mut m, d) = muxer();
+        let (_c, key) = established(&mut m, &d);
+        let saved = m.save_connections();
+        let (mut r, d2) = restored(&saved);
+        let now = Instant::now();
+        let mut c = UnixStream::connect(d2.path().join("v.sock")).unwrap();
+        c.write_all(b"CONNECT 52\n").unwrap();
+        r.accept(true, now);
+        assert_eq!(r.detached_count(), 0);
+        assert_eq!(r.metrics.preserved_dropped, 1);
+        // The guest is told: RST for the kept one first, then the new request.
+        let mut p = Vec::new();
+        let (h, k) = r.next_rx_packet(4096, &mut p, now).unwrap();
+        assert_eq!((h.op, h.src_port, k), (op::RST, key.local_port, None));
+        let (h, _) = r.next_rx_packet(4096, &mut p, now).unwrap();
+        assert_eq!((h.op, h.dst_port), (op::REQUEST, 52));
     }
 
     #[test]
