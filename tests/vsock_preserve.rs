@@ -113,10 +113,7 @@ fn template(d: &Path) -> PathBuf {
     let mut vm = RunningVmm::start(d, "template", &args);
     vm.wait_marker(2, BOOT_TIMEOUT);
     let mut c = client(retry("agent", || {
-        vsock_connect(&uds, AGENT_PORT, T).map(|s| {
-            s.set_read_timeout(None).unwrap();
-            s
-        })
+        vsock_connect(&uds, AGENT_PORT, T).inspect(|s| s.set_read_timeout(None).unwrap())
     }));
     let prog = format!(
         "import socket\n\
