@@ -120,20 +120,31 @@ fn template(d: &Path) -> PathBuf {
          s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)\n\
          s.bind((socket.VMADDR_CID_ANY, {HOLD_PORT}))\n\
          s.listen(1)\n\
+         open('/tmp/holder-ready', 'w').close()\n\
          c, _ = s.accept()\n\
          c.recv(1)\n\
          c.sendall(b'\\xff' * 262144)\n\
          c.close()\n"
     );
-    // Detached from the exec (its output to /dev/null, so the call ends at once).
+    // In a session of its own (the agent kills an exec's session when it ends), output to a
+    // file (so the call ends at once).
     let mut req = ExecRequest::new([
         "/bin/sh",
         "-c",
-        "python3 -c \"$PROG\" </dev/null >/dev/null 2>&1 &",
+        "setsid -f python3 -c \"$PROG\" </dev/null >/tmp/holder.log 2>&1",
     ]);
     req.env.insert("PROG".into(), prog);
     let out = c.exec(&req).expect("start the holder");
     assert!(out.status.success(), "{out:?}");
+    let t = Instant::now();
+    while sh(&mut c, "test -e /tmp/holder-ready && echo yes || true") != "yes\n" {
+        assert!(
+            t.elapsed() < Duration::from_secs(600),
+            "the holder never listened: {}",
+            sh(&mut c, "cat /tmp/holder.log")
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
     let hold = retry("holder", || vsock_connect(&uds, HOLD_PORT, T));
     // Both connections are idle (the agent waits in `read`, the program in `recv`).
     assert!(c.ping().is_ok());
