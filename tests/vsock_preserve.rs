@@ -120,7 +120,8 @@ fn template(d: &Path) -> PathBuf {
          s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)\n\
          s.bind((socket.VMADDR_CID_ANY, {HOLD_PORT}))\n\
          s.listen(1)\n\
-         open('/tmp/holder-ready', 'w').close()\n\
+         import os\n\
+         open('/tmp/holder-ready', 'w').write(str(os.getpid()))\n\
          c, _ = s.accept()\n\
          c.recv(1)\n\
          c.sendall(b'\\xff' * 262144)\n\
@@ -137,7 +138,7 @@ fn template(d: &Path) -> PathBuf {
     let out = c.exec(&req).expect("start the holder");
     assert!(out.status.success(), "{out:?}");
     let t = Instant::now();
-    while sh(&mut c, "test -e /tmp/holder-ready && echo yes || true") != "yes\n" {
+    while sh(&mut c, "test -s /tmp/holder-ready && echo yes || true") != "yes\n" {
         assert!(
             t.elapsed() < Duration::from_secs(600),
             "the holder never listened: {}",
@@ -266,8 +267,7 @@ fn transport_reset_restores_and_hostile_guests_on_kept_connections() {
     // after: the host client sees the end of the stream; the VMM carries on.
     let (mut vm2, uds2, api2) = restore(d, &snap, "killed", &[]);
     let mut a = client(attach(&uds2, AGENT_PORT, T).unwrap());
-    // (The bracket keeps the pattern from matching this shell's own command line.)
-    sh(&mut a, "pkill -9 -f 'socket[.]AF_VSOCK' || true");
+    sh(&mut a, "kill -9 $(cat /tmp/holder-ready)");
     // The kernel's RST (or SHUTDOWN) for the dead socket has reached the device: nothing is
     // left to attach to, so ATTACH is an ordinary CONNECT, which nobody accepts.
     let t = Instant::now();
