@@ -280,6 +280,16 @@ impl RestoreBench {
         Ok(snap)
     }
 
+    /// `ember-vmm` flags of the clones' restores (the working-set recording uses them too, so
+    /// that it sees the same guest work).
+    fn vsock_flags(&self) -> &'static [&'static str] {
+        if self.vsock == VsockMode::Reset {
+            &["--vsock-transport-reset"]
+        } else {
+            &[]
+        }
+    }
+
     /// Restores the snapshot once, lets the guest answer a ping, and records the pages it
     /// touched as the snapshot's working set (what later restores prefetch).
     pub fn record_working_set(&self, snap: &Path) -> Result<(), String> {
@@ -294,6 +304,7 @@ impl RestoreBench {
             .arg("--api-sock")
             .arg(&api)
             .args(["--serial", "none", "--prefetch", "off"])
+            .args(self.vsock_flags())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
@@ -334,11 +345,7 @@ impl RestoreBench {
             .arg("--report")
             .arg(&report)
             .args(["--serial", "none", "--prefetch", &self.prefetch])
-            .args(
-                (self.vsock == VsockMode::Reset)
-                    .then_some("--vsock-transport-reset")
-                    .as_slice(),
-            )
+            .args(self.vsock_flags())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
