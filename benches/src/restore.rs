@@ -42,6 +42,93 @@ pub struct RestoreBench {
     pub workdir: PathBuf,
     /// ember's working-set prefetch mode for the restores.
     pub prefetch: String,
+    /// How ember's clones get their vsock connection.
+    pub vsock: VsockMode,
+}
+
+/// How ember's clones reach the agent after a restore.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VsockMode {
+    /// As restores did before connections were kept: the clone sends the guest a transport
+    /// reset (`--vsock-transport-reset`) and the ping connects anew (`CONNECT`).
+    Reset,
+    /// No transport reset (the template snapshot has no open connection, so nothing needs
+    /// resetting) and a new connection (`CONNECT`).
+    Connect,
+    /// The template snapshot is taken with an idle agent connection open; the clone keeps it
+    /// and the ping takes it over (`ATTACH`): one write the agent is already waiting for.
+    #[default]
+    Attach,
+}
+
+impl VsockMode {
+    fn keep_connection(self) -> bool {
+        self == VsockMode::Attach
+    }
+}
+
+impl std::str::FromStr for VsockMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "reset" => Ok(Self::Reset),
+            "connect" => Ok(Self::Connect),
+            "attach" => Ok(Self::Attach),
+            _ => Err(format!("{s:?}: expected reset, connect or attach")),
+        }
+    }
+}
+
+/// KVM counters reported per restore (ember's VMM reads them at the guest's first answer;
+/// Firecracker's cannot be read from outside its process on this host, see
+/// `ember_vmm::kvmstats`).
+pub const COUNTERS: &[&str] = &[
+    "exits",
+    "io_exits",
+    "mmio_exits",
+    "halt_exits",
+    "irq_exits",
+    "irq_window_exits",
+    "request_irq_exits",
+    "signal_exits",
+    "pf_taken",
+    "pf_fixed",
+    "pf_guest",
+    "pf_emulate",
+    "pf_spurious",
+    "irq_injections",
+    "insn_emulation",
+    "halt_wakeup",
+];
+
+/// What one restore measured.
+#[derive(Debug, Clone, Default)]
+pub struct RestoreSample {
+    /// Spawn → vCPU running (ember) or → snapshot load returned (Firecracker), ms.
+    pub running_ms: f64,
+    /// Spawn → agent ping answered, ms.
+    pub ping_ms: f64,
+    /// Spawn → the guest's first vsock data (the VMM's `guest_first_data` event), ms.
+    pub first_answer_ms: Option<f64>,
+    /// KVM counters at the guest's first data, as the VMM itself read them (ember only).
+    pub vmm_counts: Option<std::collections::BTreeMap<String, u64>>,
+}
+
+/// Median and p95 of one counter for one system.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CountResult {
+    /// "ember" or "firecracker".
+    pub system: String,
+    /// The counter (e.g. `exits`), from spawn to the guest's first answer.
+    pub counter: String,
+    /// Samples.
+    pub n: usize,
+    /// Median.
+    pub median: f64,
+    /// 95th percentile.
+    pub p95: f64,
 }
 
 /// One system's figures for one measure.
@@ -93,15 +180,32 @@ fn wait_until<T>(
 
 /// Pings the agent through a vsock Unix socket until it answers; returns when it did.
 pub fn ping_until_answered(uds: &Path, timeout: Duration) -> Result<(), String> {
+    ping_until_answered_by(uds, timeout, false).map(drop)
+}
+
+/// Like [`ping_until_answered`], with `ATTACH` instead of `CONNECT` when `attach` is set;
+/// returns the client that got the answer.
+pub fn ping_until_answered_by(
+    uds: &Path,
+    timeout: Duration,
+    attach: bool,
+) -> Result<Client<UnixStream>, String> {
     let t = Instant::now();
     let mut last = String::new();
     while t.elapsed() < timeout {
-        match Client::connect_uds(uds, AGENT_PORT, Duration::from_secs(10)) {
+        let client = if attach {
+            ember_vmm::vsock_host::attach(uds, AGENT_PORT, Duration::from_secs(10))
+                .map(Client::new)
+                .map_err(|e| e.to_string())
+        } else {
+            Client::connect_uds(uds, AGENT_PORT, Duration::from_secs(10)).map_err(|e| e.to_string())
+        };
+        match client {
             Ok(mut c) => match c.ping() {
-                Ok(_) => return Ok(()),
+                Ok(_) => return Ok(c),
                 Err(e) => last = e.to_string(),
             },
-            Err(e) => last = e.to_string(),
+            Err(e) => last = e,
         }
         std::thread::sleep(Duration::from_micros(500));
     }
@@ -148,6 +252,16 @@ impl RestoreBench {
             .map_err(|e| format!("cannot start ember-vmm: {e}"))?;
         let mut vm = Killer(child);
         ping_until_answered(&uds, Duration::from_secs(600))?;
+        // An idle connection (the agent waits in `read` on it) for the snapshot to keep.
+        let _kept = if self.vsock.keep_connection() {
+            Some(ping_until_answered_by(
+                &uds,
+                Duration::from_secs(60),
+                false,
+            )?)
+        } else {
+            None
+        };
         let reply = ember_vmm::api::call(
             &api,
             &ember_vmm::api::Request::Snapshot {
@@ -166,6 +280,16 @@ impl RestoreBench {
         Ok(snap)
     }
 
+    /// `ember-vmm` flags of the clones' restores (the working-set recording uses them too, so
+    /// that it sees the same guest work).
+    fn vsock_flags(&self) -> &'static [&'static str] {
+        if self.vsock == VsockMode::Reset {
+            &["--vsock-transport-reset"]
+        } else {
+            &[]
+        }
+    }
+
     /// Restores the snapshot once, lets the guest answer a ping, and records the pages it
     /// touched as the snapshot's working set (what later restores prefetch).
     pub fn record_working_set(&self, snap: &Path) -> Result<(), String> {
@@ -180,12 +304,13 @@ impl RestoreBench {
             .arg("--api-sock")
             .arg(&api)
             .args(["--serial", "none", "--prefetch", "off"])
+            .args(self.vsock_flags())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
             .map_err(|e| format!("cannot start ember-vmm: {e}"))?;
         let _vm = Killer(child);
-        ping_until_answered(&uds, Duration::from_secs(60))?;
+        ping_until_answered_by(&uds, Duration::from_secs(60), self.vsock.keep_connection())?;
         let reply = ember_vmm::api::call(
             &api,
             &ember_vmm::api::Request::RecordWorkingSet {
@@ -200,6 +325,12 @@ impl RestoreBench {
 
     /// One ember restore: (spawn → vCPU running, spawn → ping answered), in ms.
     pub fn ember_once(&self, snap: &Path, i: usize) -> Result<(f64, f64), String> {
+        self.ember_sample(snap, i)
+            .map(|s| (s.running_ms, s.ping_ms))
+    }
+
+    /// One ember restore with everything measured.
+    pub fn ember_sample(&self, snap: &Path, i: usize) -> Result<RestoreSample, String> {
         let d = self.workdir.join("ember");
         let uds = d.join(format!("clone{i}.vsock"));
         let report = d.join(format!("clone{i}.jsonl"));
@@ -214,12 +345,13 @@ impl RestoreBench {
             .arg("--report")
             .arg(&report)
             .args(["--serial", "none", "--prefetch", &self.prefetch])
+            .args(self.vsock_flags())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
             .map_err(|e| format!("cannot start ember-vmm: {e}"))?;
-        let _vm = Killer(child);
-        ping_until_answered(&uds, Duration::from_secs(60))?;
+        let vm = Killer(child);
+        ping_until_answered_by(&uds, Duration::from_secs(60), self.vsock.keep_connection())?;
         let ping_ms = start.elapsed().as_secs_f64() * 1e3;
         let running = wait_until("vcpu_first_run", Duration::from_secs(10), || {
             events(&report)
@@ -227,8 +359,27 @@ impl RestoreBench {
                 .find(|e| e["event"] == "vcpu_first_run")
                 .and_then(|e| e["mono_ns"].as_u64())
         })?;
+        let first = events(&report)
+            .into_iter()
+            .find(|e| e["event"] == "guest_first_data");
+        let first_answer_ms = first
+            .as_ref()
+            .and_then(|e| e["mono_ns"].as_u64())
+            .map(|ns| ns.saturating_sub(t0) as f64 / 1e6);
+        let vmm_counts = first.and_then(|e| {
+            serde_json::from_value::<std::collections::BTreeMap<String, u64>>(
+                e["kvm"]["vcpu"].clone(),
+            )
+            .ok()
+        });
+        drop(vm);
         let _ = std::fs::remove_file(&uds);
-        Ok((running.saturating_sub(t0) as f64 / 1e6, ping_ms))
+        Ok(RestoreSample {
+            running_ms: running.saturating_sub(t0) as f64 / 1e6,
+            ping_ms,
+            first_answer_ms,
+            vmm_counts,
+        })
     }
 
     /// Boots Firecracker's template VM and snapshots it once the agent answers.
@@ -261,6 +412,16 @@ impl RestoreBench {
             .map_err(|e| format!("cannot start firecracker: {e}"))?;
         let mut vm = Killer(child);
         ping_until_answered(&uds, Duration::from_secs(900))?;
+        // The same idle connection as ember's template has (Firecracker resets it at restore).
+        let _kept = if self.vsock.keep_connection() {
+            Some(ping_until_answered_by(
+                &uds,
+                Duration::from_secs(60),
+                false,
+            )?)
+        } else {
+            None
+        };
         http(&api, "PATCH", "/vm", r#"{"state":"Paused"}"#)?;
         let state = d.join("snap.state");
         let mem = d.join("snap.mem");
@@ -279,6 +440,18 @@ impl RestoreBench {
         mem: &Path,
         i: usize,
     ) -> Result<(f64, f64), String> {
+        self.firecracker_sample(fc, state, mem, i)
+            .map(|s| (s.running_ms, s.ping_ms))
+    }
+
+    /// One Firecracker restore with its KVM counters.
+    pub fn firecracker_sample(
+        &self,
+        fc: &Path,
+        state: &Path,
+        mem: &Path,
+        i: usize,
+    ) -> Result<RestoreSample, String> {
         let d = self.workdir.join("firecracker");
         let uds = d.join("fc.vsock");
         let api = d.join(format!("fc{i}.api"));
@@ -294,7 +467,7 @@ impl RestoreBench {
             .stderr(Stdio::null())
             .spawn()
             .map_err(|e| format!("cannot start firecracker: {e}"))?;
-        let _vm = Killer(child);
+        let vm = Killer(child);
         wait_until("firecracker's API socket", Duration::from_secs(10), || {
             UnixStream::connect(&api).ok()
         })?;
@@ -307,41 +480,64 @@ impl RestoreBench {
         let loaded = start.elapsed().as_secs_f64() * 1e3;
         ping_until_answered(&uds, Duration::from_secs(60))?;
         let ping = start.elapsed().as_secs_f64() * 1e3;
+        drop(vm);
         let _ = std::fs::remove_file(&api);
-        Ok((loaded, ping))
+        Ok(RestoreSample {
+            running_ms: loaded,
+            ping_ms: ping,
+            first_answer_ms: None,
+            vmm_counts: None,
+        })
     }
 
     /// Prepares both snapshots, then restores each system `n` times, interleaved.
     pub fn run(
         &self,
         mut progress: impl FnMut(&str, usize, f64, f64),
-    ) -> Result<Vec<RestoreResult>, String> {
+    ) -> Result<(Vec<RestoreResult>, Vec<CountResult>), String> {
         let snap = self.prepare_ember()?;
         let fc = match &self.firecracker {
             Some(bin) => Some((bin.clone(), self.prepare_firecracker(bin)?)),
             None => None,
         };
-        let (mut er, mut ep, mut fr, mut fp) = (vec![], vec![], vec![], vec![]);
+        let (mut es, mut fs) = (Vec::new(), Vec::new());
         for i in 0..self.n {
-            let (r, p) = self.ember_once(&snap, i)?;
-            progress("ember", i, r, p);
-            er.push(r);
-            ep.push(p);
+            let s = self.ember_sample(&snap, i)?;
+            progress("ember", i, s.running_ms, s.ping_ms);
+            es.push(s);
             if let Some((bin, (state, mem))) = &fc {
-                let (r, p) = self.firecracker_once(bin, state, mem, i)?;
-                progress("firecracker", i, r, p);
-                fr.push(r);
-                fp.push(p);
+                let s = self.firecracker_sample(bin, state, mem, i)?;
+                progress("firecracker", i, s.running_ms, s.ping_ms);
+                fs.push(s);
             }
         }
+        let col = |v: &[RestoreSample], f: fn(&RestoreSample) -> Option<f64>| {
+            v.iter().filter_map(f).collect::<Vec<f64>>()
+        };
+        let e_run = summarize(&col(&es, |s| Some(s.running_ms)));
+        let e_ping = summarize(&col(&es, |s| Some(s.ping_ms)));
         let mut out = Vec::new();
-        let e_run = summarize(&er);
-        let e_ping = summarize(&ep);
         for (sys, measure, s, base) in [
             ("ember", "spawn_to_running", e_run, e_run),
             ("ember", "spawn_to_ping", e_ping, e_ping),
-            ("firecracker", "spawn_to_running", summarize(&fr), e_run),
-            ("firecracker", "spawn_to_ping", summarize(&fp), e_ping),
+            (
+                "ember",
+                "spawn_to_first_answer",
+                summarize(&col(&es, |s| s.first_answer_ms)),
+                None,
+            ),
+            (
+                "firecracker",
+                "spawn_to_running",
+                summarize(&col(&fs, |s| Some(s.running_ms))),
+                e_run,
+            ),
+            (
+                "firecracker",
+                "spawn_to_ping",
+                summarize(&col(&fs, |s| Some(s.ping_ms))),
+                e_ping,
+            ),
         ] {
             if let Some(s) = s {
                 out.push(RestoreResult {
@@ -352,7 +548,23 @@ impl RestoreBench {
                 });
             }
         }
-        Ok(out)
+        let mut counts = Vec::new();
+        for name in COUNTERS {
+            let v: Vec<f64> = es
+                .iter()
+                .filter_map(|s| s.vmm_counts.as_ref()?.get(*name).map(|&x| x as f64))
+                .collect();
+            if let Some(sm) = summarize(&v) {
+                counts.push(CountResult {
+                    system: "ember".into(),
+                    counter: (*name).to_string(),
+                    n: sm.n,
+                    median: sm.median_ms,
+                    p95: sm.p95_ms,
+                });
+            }
+        }
+        Ok((out, counts))
     }
 }
 
@@ -384,6 +596,21 @@ pub fn http(sock: &Path, method: &str, path: &str, body: &str) -> Result<String,
             text.lines().last().unwrap_or(&text)
         ))
     }
+}
+
+/// Formats the counters as a table (median and p95 per counter).
+pub fn counts_table(counts: &[CountResult]) -> String {
+    let mut s = format!(
+        "{:<8} {:<20} {:>4} {:>10} {:>10}\n",
+        "system", "KVM counter", "n", "median", "p95"
+    );
+    for c in counts {
+        s.push_str(&format!(
+            "{:<8} {:<20} {:>4} {:>10.0} {:>10.0}\n",
+            c.system, c.counter, c.n, c.median, c.p95
+        ));
+    }
+    s
 }
 
 /// Formats results as a table.

@@ -1291,8 +1291,14 @@ fn persist_round_trip_resumes_with_a_transport_reset() {
     assert_eq!(state.acked_features, VIRTIO_F_VERSION_1);
     assert_eq!(state.queues.len(), 3);
     let bytes = ember_snapshot::encode_state(&state).unwrap();
-    let back: VsockState = ember_snapshot::decode_state(&bytes).unwrap();
+    let mut back: VsockState = ember_snapshot::decode_state(&bytes).unwrap();
     assert_eq!(back, state);
+    // As a format-1 snapshot (or `--vsock-transport-reset`): no connections.
+    assert_eq!(
+        back.connections.as_ref().map(|c| c.preserved.len()),
+        Some(1)
+    );
+    back.connections = None;
 
     // The "old process" goes away; a clone restores on a new socket path.
     let Harness {
@@ -1343,6 +1349,89 @@ fn persist_round_trip_resumes_with_a_transport_reset() {
     h.settle();
     assert_eq!(h.g.socks[&key].data, b"after");
     assert_eq!(read_avail(&mut c).0, b"back");
+}
+
+#[test]
+fn persist_round_trip_keeps_idle_connections_for_attach() {
+    let mut h = Harness::new();
+    let (mut c, key) = h.open_from_host(53, 4096);
+    c.write_all(b"before").unwrap();
+    h.settle();
+    assert_eq!(h.g.socks[&key].data, b"before");
+    // A second connection the guest has not accepted yet is not kept: it is reset.
+    let _pending = h.host_connect(77);
+    h.settle();
+    let state = h.dev.lock().unwrap().save();
+    let saved = state.connections.clone().expect("connections saved");
+    assert_eq!(saved.preserved.len(), 1);
+    assert_eq!(saved.reset.len(), 1);
+    let bytes = ember_snapshot::encode_state(&state).unwrap();
+    let back: VsockState = ember_snapshot::decode_state(&bytes).unwrap();
+    assert_eq!(back, state);
+
+    let Harness {
+        em,
+        dev,
+        mut g,
+        irq,
+        dir,
+        ..
+    } = h;
+    drop(em);
+    drop(dev);
+    drop(c);
+    let uds = dir.path().join("restored.sock");
+    let cfg = VsockConfig {
+        guest_cid: CID,
+        uds_path: uds.clone(),
+    };
+    let restored = Vsock::restore((cfg, Some((g.mem.clone(), irq.clone()))), &back).unwrap();
+    assert_eq!(restored.connection_count(), 1);
+    assert_eq!(restored.detached_count(), 1);
+    // No transport reset: the event queue is untouched.
+    assert_eq!(restored.save().queues[2], state.queues[2]);
+    g.kicks = kicks(&restored);
+    let dev = Arc::new(Mutex::new(restored));
+    let mut em = EventManager::new().unwrap();
+    em.add_subscriber(dev.clone());
+    let mut h = Harness {
+        em,
+        dev,
+        g,
+        irq,
+        dir,
+        uds,
+    };
+    g_incoming_clear(&mut h);
+    h.settle();
+    assert!(h.g.events.is_empty(), "a transport reset went out");
+    // The guest wrote before anyone attached.
+    h.g.write(key, b"kept ");
+    h.settle();
+    // ATTACH: OK at once, then the stream continues on the guest's same socket.
+    let mut a = UnixStream::connect(&h.uds).unwrap();
+    a.write_all(b"ATTACH 53\nagain").unwrap();
+    a.set_nonblocking(true).unwrap();
+    h.settle();
+    let (got, _) = read_avail(&mut a);
+    assert_eq!(
+        String::from_utf8_lossy(&got),
+        format!("OK {}\nkept ", key.1)
+    );
+    assert_eq!(h.g.socks[&key].data, b"beforeagain");
+    assert!(
+        !h.g.incoming.iter().any(|r| r.dst_port == 53),
+        "ATTACH made a new connection"
+    );
+    h.g.write(key, b"reply");
+    h.settle();
+    assert_eq!(read_avail(&mut a).0, b"reply");
+    assert_eq!(h.dev.lock().unwrap().metrics().preserved_attached, 1);
+}
+
+/// Forgets the requests the guest saw before the snapshot.
+fn g_incoming_clear(h: &mut Harness) {
+    h.g.incoming.clear();
 }
 
 #[test]

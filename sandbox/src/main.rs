@@ -195,7 +195,13 @@ struct BenchRestoreArgs {
     /// ember's working-set prefetch for the restores: off, sync or async.
     #[arg(long, default_value = "off")]
     prefetch: String,
-    /// JSON lines only (one object per system and measure).
+    /// How ember's clones reach the agent: `attach` (the template snapshot keeps an idle agent
+    /// connection, which the clone takes over with `ATTACH`), `connect` (a new connection, no
+    /// transport reset) or `reset` (transport reset + new connection, as restores did before
+    /// connections were kept).
+    #[arg(long, default_value = "attach")]
+    vsock: ember_benches::restore::VsockMode,
+    /// JSON lines only (one object per system and measure, then one per KVM counter).
     #[arg(long)]
     json: bool,
 }
@@ -770,6 +776,7 @@ fn bench_restore(a: BenchRestoreArgs) -> ExitCode {
         firecracker: a.firecracker,
         workdir: work.path().to_path_buf(),
         prefetch: a.prefetch,
+        vsock: a.vsock,
     };
     if !a.json {
         eprintln!(
@@ -787,13 +794,23 @@ fn bench_restore(a: BenchRestoreArgs) -> ExitCode {
         }
     });
     match results {
-        Ok(rs) => {
+        Ok((rs, counts)) => {
             if json {
                 for r in &rs {
                     println!("{}", serde_json::to_string(r).unwrap_or_default());
                 }
+                for c in &counts {
+                    println!("{}", serde_json::to_string(c).unwrap_or_default());
+                }
             } else {
                 print!("{}", ember_benches::restore::table(&rs));
+                if !counts.is_empty() {
+                    println!(
+                        "KVM counters from spawn to the guest's first answer (ember's VMM reads \
+                         them; Firecracker's cannot be read from outside its process here)"
+                    );
+                    print!("{}", ember_benches::restore::counts_table(&counts));
+                }
             }
             ExitCode::SUCCESS
         }
@@ -823,6 +840,7 @@ fn bench_clones(a: BenchClonesArgs) -> ExitCode {
         firecracker: None,
         workdir: work.path().to_path_buf(),
         prefetch: "off".into(),
+        vsock: ember_benches::restore::VsockMode::Connect,
     };
     if !a.json {
         eprintln!("ember: booting the template guest and taking its snapshot");

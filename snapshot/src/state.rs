@@ -47,8 +47,10 @@ use crate::fsutil;
 /// The first eight bytes of every state file.
 pub const STATE_MAGIC: [u8; 8] = *b"EMBERSNP";
 
-/// The format version this build writes, and the newest it reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The format version this build writes, and the newest it reads. 2: the vsock device keeps
+/// its established connections (format-1 files are still read: their vsock state is a
+/// variant of its own).
+pub const FORMAT_VERSION: u32 = 2;
 
 /// The oldest format version this build still reads.
 pub const MIN_FORMAT_VERSION: u32 = 1;
@@ -463,17 +465,17 @@ mod tests {
     fn layout_is_as_documented() {
         let bytes = encode_state(&0x0102_0304u32).expect("encode");
         assert_eq!(&bytes[..8], b"EMBERSNP");
-        assert_eq!(&bytes[8..12], &1u32.to_le_bytes());
+        assert_eq!(&bytes[8..12], &FORMAT_VERSION.to_le_bytes());
         assert_eq!(&bytes[12..20], &4u64.to_le_bytes());
         assert_eq!(&bytes[20..24], &[4, 3, 2, 1]);
         let crc = crc::Crc::<u64>::new(&crc::CRC_64_XZ).checksum(&bytes[..24]);
         assert_eq!(&bytes[24..], &crc.to_le_bytes());
-        assert_eq!(bytes, frame(1, &[4, 3, 2, 1]));
+        assert_eq!(bytes, frame(FORMAT_VERSION, &[4, 3, 2, 1]));
         let info = verify_state(&bytes).expect("valid");
         assert_eq!(
             info,
             StateInfo {
-                format_version: 1,
+                format_version: FORMAT_VERSION,
                 body_len: 4,
                 crc64: crc
             }

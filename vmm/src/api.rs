@@ -7,7 +7,7 @@
 //! {"op":"resume"}                                 → {"ok":true}
 //! {"op":"snapshot","dir":"/s","kind":"full"}      → {"ok":true,"dir":"/s","ms":…}
 //! {"op":"snapshot","dir":"/s","kind":"layer","after":"exit"} → {"ok":true,…}  (kind: full|diff|layer)
-//! {"op":"stats"}                                  → {"ok":true,"stats":{…}}
+//! {"op":"stats"}                                  → {"ok":true,"stats":{…,"kvm":{"vcpu":{"exits":…},"vm":{…}},"vsock":{…}}}
 //! {"op":"shutdown"}                               → {"ok":true}   (then the VMM exits 0)
 //! ```
 
@@ -71,7 +71,8 @@ pub enum Request {
         #[serde(default)]
         after: AfterSnapshot,
     },
-    /// Counters and sizes.
+    /// Counters and sizes: the VMM's memory, KVM's own counters for the VM (`kvm`: VM exits by
+    /// reason, page faults, injections — `crate::kvmstats`) and the vsock device's (`vsock`).
     Stats,
     /// Record the guest pages this (restored) VM has touched so far into `dir/workingset`,
     /// for later restores of the snapshot in `dir` to prefetch.

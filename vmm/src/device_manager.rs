@@ -108,6 +108,24 @@ impl DeviceManager {
         }
     }
 
+    /// The vsock device, if the VM has one.
+    pub fn vsock(&self) -> Option<&Arc<Mutex<Vsock>>> {
+        self.virtio.iter().find_map(|s| match &s.handle {
+            VirtioHandle::Vsock(v) => Some(v),
+            _ => None,
+        })
+    }
+
+    /// The vsock device's counters (`null` without one), for `stats`.
+    pub fn vsock_metrics(&self) -> serde_json::Value {
+        self.vsock()
+            .map(|v| {
+                let m = v.lock().unwrap_or_else(|p| p.into_inner()).metrics();
+                serde_json::to_value(m).unwrap_or_default()
+            })
+            .unwrap_or_default()
+    }
+
     /// COM1, with its interrupt wired to GSI 4.
     pub fn add_serial(
         &mut self,

@@ -11,6 +11,7 @@ pub mod cli;
 pub mod console;
 pub mod cpu;
 pub mod device_manager;
+pub mod kvmstats;
 pub mod launcher;
 pub mod layer;
 pub mod logging;
@@ -22,6 +23,7 @@ pub mod seccomp;
 pub mod snapshot;
 pub mod vcpu;
 pub mod vm;
+pub mod vsock_host;
 pub mod vstate;
 pub mod workingset;
 

@@ -36,6 +36,11 @@ struct Args {
     /// With --restore: a new host socket path for the vsock device.
     #[arg(long, requires = "restore")]
     vsock_uds: Option<PathBuf>,
+    /// With --restore: drop the vsock connections the snapshot kept and send the guest a
+    /// transport reset (as restores of older snapshots do) instead of keeping idle ones for
+    /// `ATTACH <port>` on the vsock socket.
+    #[arg(long, requires = "restore")]
+    vsock_transport_reset: bool,
     /// With --restore: new TAP names for the network interfaces, in order (repeatable).
     #[arg(long = "tap", requires = "restore")]
     taps: Vec<String>,
@@ -231,6 +236,7 @@ fn main() -> ExitCode {
     if args.restore.is_none() {
         let given = [
             ("--vsock-uds", args.vsock_uds.is_some()),
+            ("--vsock-transport-reset", args.vsock_transport_reset),
             ("--tap", !args.taps.is_empty()),
             ("--disk-path", !args.disk_paths.is_empty()),
             ("--disk-base", !args.disk_bases.is_empty()),
@@ -263,6 +269,7 @@ fn main() -> ExitCode {
                 track_dirty_pages: args.track_dirty_pages,
                 prefetch: args.prefetch,
                 vsock_uds: args.vsock_uds.clone(),
+                vsock_transport_reset: args.vsock_transport_reset,
                 net_taps: args.taps.clone(),
                 disk_paths: keep_or_path(&args.disk_paths),
                 disk_bases: keep_or_path(&args.disk_bases),

@@ -28,7 +28,7 @@ use ember_devices::bus::lock;
 use ember_devices::virtio::block::{Block, BlockError, BlockMode, BlockState};
 use ember_devices::virtio::mmio::MmioTransportState;
 use ember_devices::virtio::net::{Net, NetState};
-use ember_devices::virtio::vsock::{Vsock, VsockState};
+use ember_devices::virtio::vsock::{Vsock, VsockState, VsockStateV1};
 use ember_devices::virtio::{Interrupt, QueueSnapshot};
 use ember_snapshot::Persist;
 
@@ -183,8 +183,11 @@ pub enum DeviceState {
     Block(BlockState),
     /// virtio-net.
     Net(NetState),
-    /// virtio-vsock.
-    Vsock(VsockState),
+    /// virtio-vsock as snapshot format 1 stored it (read only; restored with a transport
+    /// reset).
+    Vsock(VsockStateV1),
+    /// virtio-vsock with its connections (format 2).
+    VsockV2(VsockState),
 }
 
 /// One placed virtio device: slot, transport registers, device state.
@@ -582,7 +585,7 @@ fn write_state_and_disks(
                     DeviceState::Block(st)
                 }
                 VirtioHandle::Net(d) => DeviceState::Net(lock(d).save()),
-                VirtioHandle::Vsock(d) => DeviceState::Vsock(lock(d).save()),
+                VirtioHandle::Vsock(d) => DeviceState::VsockV2(lock(d).save()),
             };
             VirtioDeviceState {
                 base: slot.base,
@@ -629,6 +632,10 @@ pub struct RestoreOptions {
     pub prefetch: crate::workingset::Prefetch,
     /// A new host socket for the vsock device (clones must not share one).
     pub vsock_uds: Option<PathBuf>,
+    /// Drop every vsock connection the snapshot kept and send the guest a transport reset (what
+    /// restores of format-1 snapshots always do), instead of keeping the quiet ones for
+    /// `ATTACH` and resetting only the others.
+    pub vsock_transport_reset: bool,
     /// New TAP names for the network interfaces, in order.
     pub net_taps: Vec<String>,
     /// New paths for the disks, in order (for overlay disks: the clone's own overlay file,
@@ -946,7 +953,12 @@ impl Vm {
                 dir: dir.to_path_buf(),
                 reason: format!("virtio device at {:#x}: {e}", v.base),
             };
-            match v.device {
+            // Format-1 vsock state reads as the current one without connections.
+            let device = match v.device {
+                DeviceState::Vsock(old) => DeviceState::VsockV2(old.into()),
+                other => other,
+            };
+            match device {
                 DeviceState::Block(s) => {
                     let mut cfg = config
                         .disks
@@ -1017,11 +1029,17 @@ impl Vm {
                         )
                         .map_err(|e| build(VmError::Device(e)))?;
                 }
-                DeviceState::Vsock(s) => {
+                DeviceState::Vsock(_) => {
+                    return Err(dev_err("format-1 vsock state was not converted".into()));
+                }
+                DeviceState::VsockV2(mut s) => {
                     let cfg = config
                         .vsock
                         .clone()
                         .ok_or_else(|| dev_err("no vsock configuration for it".into()))?;
+                    if opts.vsock_transport_reset {
+                        s.connections = None;
+                    }
                     let d = Arc::new(std::sync::Mutex::new(
                         Vsock::restore((cfg, args), &s).map_err(|e| dev_err(e.to_string()))?,
                     ));
@@ -1103,6 +1121,7 @@ impl Vm {
             caps: state.caps,
         })
         .map_err(build)?;
+        vm.report_first_guest_data();
         if vm.config.track_dirty_pages {
             vm.diff_parent = Some(dir.to_path_buf());
         }

@@ -246,6 +246,8 @@ pub struct Vm {
     /// The snapshot the next diff snapshot is relative to (the last one taken of this VM, or
     /// the one it was restored from).
     pub diff_parent: Option<std::path::PathBuf>,
+    /// KVM's counters for this VM (exits, page faults, injections), for `stats` and the report.
+    pub kvm_stats: Arc<crate::kvmstats::KvmStats>,
 }
 
 impl std::fmt::Debug for Vm {
@@ -564,6 +566,10 @@ impl Vm {
             rx: Mutex::new(rx),
         };
         events.add_subscriber(Arc::new(Mutex::new(watcher)));
+        let kvm_stats = Arc::new(crate::kvmstats::KvmStats::open(
+            &vm_fd,
+            vcpus.iter().map(|v| &v.fd),
+        ));
         Ok(Self {
             vm_fd,
             memory,
@@ -583,6 +589,7 @@ impl Vm {
             config,
             caps,
             diff_parent: None,
+            kvm_stats,
         })
     }
 
@@ -608,6 +615,28 @@ impl Vm {
             })?;
         self.events.add_subscriber(Arc::new(Mutex::new(input)));
         Ok(())
+    }
+
+    /// Reports `guest_first_data` (time and KVM's counters so far) when the guest first sends
+    /// data over vsock: after a restore, the agent's first answer; the counters then cover
+    /// restore → first answer, since the vCPUs were created by the restore.
+    pub fn report_first_guest_data(&self) {
+        let Some(vsock) = self.devices.vsock() else {
+            return;
+        };
+        let (stats, reporter) = (self.kvm_stats.clone(), self.reporter.clone());
+        vsock
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .on_first_guest_data(Box::new(move || {
+                reporter.event(
+                    "guest_first_data",
+                    serde_json::json!({
+                        "mono_ns": crate::report::monotonic_ns(),
+                        "kvm": stats.to_json(),
+                    }),
+                );
+            }));
     }
 
     /// Serves the control socket at `path` on the event loop.
@@ -772,6 +801,8 @@ impl Vm {
             "vmm_vsz_kib": size * 4,
             "vmm_rss_kib": rss * 4,
             "cpu_profile": self.profile,
+            "kvm": self.kvm_stats.to_json(),
+            "vsock": self.devices.vsock_metrics(),
         })
     }
 

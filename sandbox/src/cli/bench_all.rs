@@ -457,6 +457,7 @@ fn restore(cx: &Ctx<'_>) -> Res<()> {
         firecracker: cx.a.firecracker.clone(),
         workdir: work.path().to_path_buf(),
         prefetch: "off".into(),
+        vsock: ember_benches::restore::VsockMode::Attach,
     };
     if cx.qemu.is_some() {
         cx.skip(

@@ -51,6 +51,27 @@ pub struct ConnKey {
     pub peer_port: u32,
 }
 
+/// What a snapshot keeps of an established connection (see [`Connection::preserved`]): its
+/// address and the credit counters of both directions, so that the guest's socket goes on
+/// as if nothing happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PreservedConn {
+    /// Host port (ours).
+    pub local_port: u32,
+    /// Guest port.
+    pub peer_port: u32,
+    /// Bytes sent to the guest.
+    pub tx_cnt: u32,
+    /// The guest's receive buffer.
+    pub peer_buf_alloc: u32,
+    /// Bytes the guest has consumed.
+    pub peer_fwd_cnt: u32,
+    /// Bytes received from the guest.
+    pub rx_cnt: u32,
+    /// Bytes of those passed on to the host.
+    pub fwd_cnt: u32,
+}
+
 /// Where a connection is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ConnState {
@@ -109,6 +130,11 @@ pub struct Connection {
     pub in_rx_queue: bool,
     /// Owner bookkeeping: interest needs re-syncing.
     pub dirty: bool,
+    /// Opened by a host client (`CONNECT`), not by the guest.
+    host_initiated: bool,
+    /// Restored from a snapshot and not yet attached to a host client: guest data waits in
+    /// `to_unix` (bounded by the credit the guest has) until [`Connection::attach`].
+    detached: bool,
     /// The Unix peer hung up: nothing more can be written; what it sent is still read out.
     hup: bool,
     deadline: Option<Instant>,
@@ -136,12 +162,22 @@ pub struct Connection {
 impl Connection {
     fn new(key: ConnKey, state: ConnState, unix: UnixStream) -> Self {
         Self {
-            key,
-            state,
             unix: Some(unix),
+            state,
+            ..Self::new_without_socket(key)
+        }
+    }
+
+    fn new_without_socket(key: ConnKey) -> Self {
+        Self {
+            key,
+            state: ConnState::Established,
+            unix: None,
             registered: None,
             in_rx_queue: false,
             dirty: false,
+            host_initiated: false,
+            detached: false,
             hup: false,
             deadline: None,
             pending: Pending::default(),
@@ -166,6 +202,7 @@ impl Connection {
     /// `early` holds bytes it sent after its request line.
     pub fn host_initiated(key: ConnKey, unix: UnixStream, early: Vec<u8>, now: Instant) -> Self {
         let mut c = Self::new(key, ConnState::Connecting, unix);
+        c.host_initiated = true;
         c.pending.request = true;
         c.staging = early;
         c.deadline = Some(now + CONNECT_TIMEOUT);
@@ -179,6 +216,65 @@ impl Connection {
         c.peer_buf_alloc = req.buf_alloc;
         c.peer_fwd_cnt = Wrapping(req.fwd_cnt);
         c
+    }
+
+    /// What a snapshot keeps of this connection, if it can be kept: an established,
+    /// host-initiated connection with nothing buffered in either direction and no shutdown
+    /// under way. Anything else is reset when the snapshot is restored.
+    pub fn preserved(&self) -> Option<PreservedConn> {
+        let quiet = self.state == ConnState::Established
+            && self.host_initiated
+            && !self.hup
+            && !self.unix_eof
+            && !self.pending.response
+            && self.staging.is_empty()
+            && self.to_unix.is_empty()
+            && self.unix_preamble.is_empty()
+            && self.peer_shutdown == 0
+            && self.shutdown_sent == 0;
+        quiet.then_some(PreservedConn {
+            local_port: self.key.local_port,
+            peer_port: self.key.peer_port,
+            tx_cnt: self.tx_cnt.0,
+            peer_buf_alloc: self.peer_buf_alloc,
+            peer_fwd_cnt: self.peer_fwd_cnt.0,
+            rx_cnt: self.rx_cnt.0,
+            fwd_cnt: self.fwd_cnt.0,
+        })
+    }
+
+    /// A connection restored from a snapshot, waiting for a host client to attach.
+    pub fn detached(p: &PreservedConn) -> Self {
+        let key = ConnKey {
+            local_port: p.local_port,
+            peer_port: p.peer_port,
+        };
+        let mut c = Self::new_without_socket(key);
+        c.host_initiated = true;
+        c.detached = true;
+        c.tx_cnt = Wrapping(p.tx_cnt);
+        c.peer_buf_alloc = p.peer_buf_alloc;
+        c.peer_fwd_cnt = Wrapping(p.peer_fwd_cnt);
+        c.rx_cnt = Wrapping(p.rx_cnt);
+        c.fwd_cnt = Wrapping(p.fwd_cnt);
+        c.last_fwd_cnt_sent = Wrapping(p.fwd_cnt);
+        c
+    }
+
+    /// Whether it waits for a host client ([`Connection::detached`]).
+    pub fn is_detached(&self) -> bool {
+        self.detached
+    }
+
+    /// Gives a detached connection its host client: `OK <host port>\n` goes out first, then
+    /// what the guest sent meanwhile; `early` (bytes the client sent after its `ATTACH` line)
+    /// goes to the guest.
+    pub fn attach(&mut self, unix: UnixStream, early: Vec<u8>) -> Verdict {
+        self.unix = Some(unix);
+        self.detached = false;
+        self.unix_preamble = format!("OK {}\n", self.key.local_port).into_bytes();
+        self.staging.extend_from_slice(&early);
+        self.pump()
     }
 
     /// Its state.
@@ -420,7 +516,7 @@ impl Connection {
         }
         self.rx_cnt += len;
         let mut rest = payload;
-        if self.hup || self.unix.is_none() {
+        if self.hup || (self.unix.is_none() && !self.detached) {
             // Nobody can read it any more: consume it so the guest is not left without credit.
             self.fwd_cnt += len;
             rest = &[];
@@ -525,7 +621,7 @@ impl Connection {
             }
             self.unix_wr_shut = true;
         }
-        let done = flushed || self.hup || self.unix.is_none();
+        let done = flushed || self.hup || (self.unix.is_none() && !self.detached);
         if self.peer_shutdown == shutdown::BOTH && self.state == ConnState::Established && done {
             return Verdict::Close;
         }

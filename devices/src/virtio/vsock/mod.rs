@@ -7,6 +7,16 @@
 //!   `OK <hostport>\n` on the Unix socket (`hostport`: the host-side port the device allocated,
 //!   from 2^30 up) and the stream is open. If the guest refuses (RST) or does not answer within
 //!   2 s, the Unix socket is closed without an `OK`. A client gets 5 s to send its line.
+//! - `ATTACH <port>\n` instead takes over a connection to that guest port which the snapshot
+//!   this device was restored from kept (see *Snapshots*): the device answers
+//!   `OK <hostport>\n` at once and the stream continues where it was — the guest sees nothing
+//!   until the client's first bytes, which a program already blocked in `read` on its socket
+//!   gets without an `accept` or a new socket. With no kept connection to that port left,
+//!   `ATTACH` works as `CONNECT`. A plain `CONNECT` resets the kept connections to its port
+//!   that are still detached (their guest programs are freed, as a transport reset would
+//!   have done), so clients that never `ATTACH` see the old behaviour. `ATTACH` is for
+//!   clients that know the snapshot's connections to that port were idle (e.g. the agent's
+//!   pooled connections, between calls): it continues whatever stream it finds.
 //! - A guest connection to host port P (CID 2) connects (non-blocking) to the Unix socket
 //!   `<uds_path>_P`; if that fails (nobody listens, backlog full) the guest gets RST.
 //!
@@ -62,10 +72,23 @@
 //! Nothing a guest sends can panic the device or make it allocate without bound.
 //!
 //! # Snapshots
-//! [`VsockState`] holds the queues, not the connections: a restored device has none, and it puts
-//! `VIRTIO_VSOCK_EVENT_TRANSPORT_RESET` on the event queue so the guest drops its sockets too
-//! (and re-reads its CID, which may change on restore). [`Vsock::send_transport_reset`] and
-//! [`Vsock::set_uds_path`] do the same for a running device.
+//! [`VsockState`] holds the queues and the connections ([`VsockConnections`]): the
+//! *established, quiet, host-initiated* ones (nothing buffered either way, no shutdown under
+//! way) with their credit counters, and the addresses of all others. A restored device (same
+//! CID) recreates the quiet ones *detached* — no host socket; guest data waits within the
+//! guest's credit — until a host client `ATTACH`es, and sends an RST for each of the others, so
+//! the guest drops exactly those sockets; no transport reset is sent, and nothing else
+//! changes in the guest. Each clone gets its own copy of a kept connection on its own host
+//! socket, so clones never share a stream; the guest's clock and entropy are still the
+//! host's to refresh (the agent's `sync`). Snapshots of format 1 ([`VsockStateV1`]), a changed
+//! CID, or the VMM's `--vsock-transport-reset` drop every connection instead and put
+//! `VIRTIO_VSOCK_EVENT_TRANSPORT_RESET` on the event queue, so that the guest drops all its
+//! sockets (and re-reads its CID). [`Vsock::send_transport_reset`] and [`Vsock::set_uds_path`]
+//! do the same for a running device.
+//!
+//! A hostile guest gains nothing from kept connections: it can reset, shut down or flood one
+//! like any other (the same state machine and credit limits apply, detached or not), and a
+//! host client that attaches reads whatever the guest sends, as on any connection.
 
 mod conn;
 mod muxer;
@@ -87,8 +110,9 @@ use vmm_sys_util::timerfd::TimerFd;
 use super::{device_type, interrupt_cause, ActivateError, Interrupt, QueueSnapshot, VirtioDevice};
 use crate::GuestMemoryMmap;
 
+pub use conn::PreservedConn;
 pub use conn::{CONN_BUF_ALLOC, STAGING_MAX};
-pub use muxer::{LOCAL_PORT_START, MAX_CONNECTIONS};
+pub use muxer::{VsockConnections, LOCAL_PORT_START, MAX_CONNECTIONS};
 pub use packet::{HDR_LEN, MAX_PKT_PAYLOAD, VSOCK_HOST_CID};
 
 use muxer::{FdKind, Muxer};
@@ -185,9 +209,18 @@ pub struct VsockMetrics {
     pub replies_dropped: u64,
     /// Transport-reset events delivered.
     pub transport_resets: u64,
+    /// Connections a restore kept from the snapshot (waiting for `ATTACH`).
+    pub preserved_restored: u64,
+    /// Of those, connections a host client took over with `ATTACH`.
+    pub preserved_attached: u64,
+    /// Connections a restore reset one by one (instead of a transport reset).
+    pub restore_resets: u64,
+    /// Kept connections reset because a host client asked for a new connection to their
+    /// port with a plain `CONNECT`.
+    pub preserved_dropped: u64,
 }
 
-/// The vsock device's snapshot state. Connections are not part of it.
+/// The vsock device's snapshot state.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct VsockState {
     /// The guest CID when saved (a restore may change it: the transport reset makes the guest
@@ -199,6 +232,34 @@ pub struct VsockState {
     pub activated: bool,
     /// rx, tx and event queues (empty when not activated).
     pub queues: Vec<QueueSnapshot>,
+    /// The connections: `None` in snapshots of older builds ([`VsockStateV1`]), whose
+    /// restores send a transport reset instead.
+    pub connections: Option<VsockConnections>,
+}
+
+/// The device state as snapshot format version 1 stored it (no connections).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VsockStateV1 {
+    /// See [`VsockState::guest_cid`].
+    pub guest_cid: u64,
+    /// See [`VsockState::acked_features`].
+    pub acked_features: u64,
+    /// See [`VsockState::activated`].
+    pub activated: bool,
+    /// See [`VsockState::queues`].
+    pub queues: Vec<QueueSnapshot>,
+}
+
+impl From<VsockStateV1> for VsockState {
+    fn from(v: VsockStateV1) -> Self {
+        Self {
+            guest_cid: v.guest_cid,
+            acked_features: v.acked_features,
+            activated: v.activated,
+            queues: v.queues,
+            connections: None,
+        }
+    }
 }
 
 struct Active {
@@ -226,6 +287,8 @@ pub struct Vsock {
     reset_ack_deadline: Option<Instant>,
     scratch: Vec<u8>,
     notify: [bool; NUM_QUEUES],
+    /// Called once, at the first data packet the guest sends (see [`Vsock::on_first_guest_data`]).
+    first_data_hook: Option<Box<dyn FnOnce() + Send>>,
 }
 
 impl std::fmt::Debug for Vsock {
@@ -301,6 +364,7 @@ impl Vsock {
             reset_ack_deadline: None,
             scratch: Vec::with_capacity(MAX_PKT_PAYLOAD),
             notify: [false; NUM_QUEUES],
+            first_data_hook: None,
             config,
         })
     }
@@ -318,6 +382,11 @@ impl Vsock {
     /// Live connections.
     pub fn connection_count(&self) -> usize {
         self.muxer.connection_count()
+    }
+
+    /// Connections restored from a snapshot that wait for a host client's `ATTACH`.
+    pub fn detached_count(&self) -> usize {
+        self.muxer.detached_count()
     }
 
     /// Drops every connection (host peers see EOF) and tells the guest to drop its own:
@@ -343,6 +412,13 @@ impl Vsock {
         self.config.uds_path = path;
         self.wake();
         Ok(())
+    }
+
+    /// Runs `hook` (on the event loop) when the guest next sends data on any connection — after
+    /// a restore, the guest's first answer. The VMM uses it to report what the guest cost until
+    /// then.
+    pub fn on_first_guest_data(&mut self, hook: Box<dyn FnOnce() + Send>) {
+        self.first_data_hook = Some(hook);
     }
 
     /// Asks the event loop to run `process` (for work requested from outside it).
@@ -391,6 +467,11 @@ impl Vsock {
                 TxPacket::Ok(h) => {
                     m.tx_packets += 1;
                     m.tx_bytes += u64::from(h.len);
+                    if h.op == packet::op::RW && h.len > 0 {
+                        if let Some(hook) = self.first_data_hook.take() {
+                            hook();
+                        }
+                    }
                     self.muxer.on_guest_packet(&h, &self.scratch);
                 }
                 TxPacket::Malformed => m.malformed += 1,
@@ -733,12 +814,15 @@ impl ember_snapshot::Persist for Vsock {
                 .as_ref()
                 .map(|a| a.queues.iter().map(QueueSnapshot::from).collect())
                 .unwrap_or_default(),
+            connections: self.active.is_some().then(|| self.muxer.save_connections()),
         }
     }
 
     /// Rebuilds the device listening on `config.uds_path` with `config.guest_cid`. An activated
-    /// device resumes on the given memory and interrupt, with no connections, and a transport
-    /// reset is queued for the guest (delivered now if an event buffer is posted).
+    /// device resumes on the given memory and interrupt. When the state lists its connections
+    /// and the CID is unchanged, the quiet ones are kept (detached, for `ATTACH`) and the
+    /// others reset one by one; otherwise (older snapshots, a new CID) a transport reset is
+    /// queued for the guest (delivered now if an event buffer is posted).
     fn restore(
         (config, resources): Self::ConstructorArgs,
         state: &VsockState,
@@ -795,8 +879,21 @@ impl ember_snapshot::Persist for Vsock {
         dev.acked = state.acked_features;
         if let Some(a) = active {
             dev.active = Some(a);
-            dev.reset_event_pending = true;
-            dev.deliver_events();
+            match &state.connections {
+                Some(saved) if state.guest_cid == dev.config.guest_cid => {
+                    dev.muxer
+                        .restore_connections(saved)
+                        .map_err(VsockError::State)?;
+                    let m = &mut dev.muxer.metrics;
+                    m.preserved_restored = saved.preserved.len() as u64;
+                    m.restore_resets = saved.reset.len() as u64;
+                    dev.deliver_rx(Instant::now());
+                }
+                _ => {
+                    dev.reset_event_pending = true;
+                    dev.deliver_events();
+                }
+            }
             dev.signal();
             dev.wake();
         }
@@ -969,6 +1066,7 @@ mod tests {
             acked_features: 0,
             activated: false,
             queues: vec![],
+            connections: None,
         };
         let dev = Vsock::restore((cfg(&d, 4), None), &inactive).unwrap();
         assert_eq!(dev.config().guest_cid, 4);

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use event_manager::{EventOps, Events};
 use vmm_sys_util::epoll::EventSet;
 
-use super::conn::{ConnKey, Connection, ResetCause, Verdict};
+use super::conn::{ConnKey, Connection, PreservedConn, ResetCause, Verdict};
 use super::packet::{op, Header, TYPE_STREAM};
 use super::unix::{self, ConnectLine, Listener, MAX_CONNECT_LINE};
 use super::VsockMetrics;
@@ -42,6 +42,15 @@ struct Handshake {
     buf: Vec<u8>,
     registered: bool,
     deadline: Instant,
+}
+
+/// The connections a snapshot keeps (part of the device's snapshot state).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VsockConnections {
+    /// Established, quiet, host-initiated connections: restored detached, for `ATTACH`.
+    pub preserved: Vec<PreservedConn>,
+    /// `(host port, guest port)` of every other connection: reset at restore.
+    pub reset: Vec<(u32, u32)>,
 }
 
 /// What the device should do with a descriptor it got an event for.
@@ -366,9 +375,22 @@ impl Muxer {
                 Err(_) => eof = true,
             }
         }
-        match unix::parse_connect_line(&h.buf) {
+        let line = unix::parse_connect_line(&h.buf);
+        if let ConnectLine::Attach { port, consumed } = line {
+            if !eof && self.attach(fd, port, consumed) {
+                return;
+            }
+        }
+        if let ConnectLine::Connect { port, .. } = line {
+            if !eof {
+                self.drop_detached(port);
+            }
+        }
+        match line {
             ConnectLine::Incomplete if !eof => {}
-            ConnectLine::Connect { port, consumed } if !eof => {
+            ConnectLine::Connect { port, consumed } | ConnectLine::Attach { port, consumed }
+                if !eof =>
+            {
                 if !active || self.conns.len() >= MAX_CONNECTIONS {
                     crate::debug_limited!(
                         "vsock: host CONNECT {port} refused (device inactive or full)"
@@ -394,6 +416,101 @@ impl Muxer {
             }
             _ => self.close_handshake(fd),
         }
+    }
+
+    /// `ATTACH <port>` from the host client on `fd`: hands it a detached connection to guest
+    /// port `port` (the lowest host port first). Returns false when there is none.
+    fn attach(&mut self, fd: RawFd, port: u32, consumed: usize) -> bool {
+        let Some(key) = self
+            .conns
+            .iter()
+            .filter(|(k, c)| k.peer_port == port && c.is_detached())
+            .map(|(k, _)| *k)
+            .min()
+        else {
+            return false;
+        };
+        let Some(h) = self.handshakes.remove(&fd) else {
+            return false;
+        };
+        let early = h.buf.get(consumed..).unwrap_or_default().to_vec();
+        let registered = h.registered;
+        let Some(c) = self.conns.get_mut(&key) else {
+            return false;
+        };
+        let v = c.attach(h.stream, early);
+        c.registered = registered.then_some(EventSet::IN);
+        self.by_fd.insert(fd, key);
+        self.metrics.preserved_attached += 1;
+        self.settle(key, v);
+        true
+    }
+
+    /// A plain `CONNECT <port>`: the client wants a new connection, not the kept ones to that
+    /// port, so those are reset now (the guest's programs blocked on them get an error and
+    /// their sockets go away, as a transport reset would have done). Clients that know about
+    /// `ATTACH` use it for every connection; others get the old behaviour.
+    fn drop_detached(&mut self, port: u32) {
+        let keys: Vec<ConnKey> = self
+            .conns
+            .iter()
+            .filter(|(k, c)| k.peer_port == port && c.is_detached())
+            .map(|(k, _)| *k)
+            .collect();
+        for key in keys {
+            self.metrics.preserved_dropped += 1;
+            self.settle(key, Verdict::Reset(ResetCause::PeerGone));
+        }
+    }
+
+    /// What a snapshot keeps of the connections: the quiet host-initiated ones (see
+    /// [`Connection::preserved`]), and the addresses of all others, which a restore resets.
+    pub fn save_connections(&self) -> VsockConnections {
+        let mut out = VsockConnections::default();
+        for (k, c) in &self.conns {
+            match c.preserved() {
+                Some(p) => out.preserved.push(p),
+                None => out.reset.push((k.local_port, k.peer_port)),
+            }
+        }
+        out.preserved.sort_by_key(|p| (p.local_port, p.peer_port));
+        out.reset.sort_unstable();
+        out
+    }
+
+    /// Restores `saved` into an empty muxer: preserved connections wait detached for an
+    /// `ATTACH`, the others get an RST so that the guest drops its sockets.
+    pub fn restore_connections(&mut self, saved: &VsockConnections) -> Result<(), String> {
+        if saved.preserved.len() + saved.reset.len() > MAX_CONNECTIONS {
+            return Err(format!(
+                "{} connections saved, at most {MAX_CONNECTIONS} can exist",
+                saved.preserved.len() + saved.reset.len()
+            ));
+        }
+        for p in &saved.preserved {
+            let c = Connection::detached(p);
+            let key = ConnKey {
+                local_port: p.local_port,
+                peer_port: p.peer_port,
+            };
+            if self.conns.insert(key, c).is_some() {
+                return Err(format!("connection {key:?} saved twice"));
+            }
+        }
+        for &(local_port, peer_port) in &saved.reset {
+            self.queue_ctl(Header::to_guest(
+                self.guest_cid,
+                local_port,
+                peer_port,
+                op::RST,
+            ));
+        }
+        Ok(())
+    }
+
+    /// Connections restored from a snapshot that no host client has attached to yet.
+    pub fn detached_count(&self) -> usize {
+        self.conns.values().filter(|c| c.is_detached()).count()
     }
 
     /// Starts host-port allocation at a random point of `[LOCAL_PORT_START, u32::MAX]` (used
@@ -712,6 +829,189 @@ mod tests {
         m.next_port = u32::MAX;
         assert_eq!(m.allocate_port(1), u32::MAX);
         assert_eq!(m.allocate_port(1), LOCAL_PORT_START);
+    }
+
+    /// A guest packet on the connection `key` (guest port `key.peer_port`).
+    fn from_guest(key: ConnKey, op: u16) -> Header {
+        Header {
+            src_cid: 3,
+            dst_cid: 2,
+            src_port: key.peer_port,
+            dst_port: key.local_port,
+            kind: TYPE_STREAM,
+            op,
+            buf_alloc: 64 * 1024,
+            ..Header::default()
+        }
+    }
+
+    /// A host client connected to guest port 52 through `m`, the guest having accepted.
+    fn established(m: &mut Muxer, d: &tempfile::TempDir) -> (UnixStream, ConnKey) {
+        let mut c = UnixStream::connect(d.path().join("v.sock")).unwrap();
+        c.write_all(b"CONNECT 52\n").unwrap();
+        m.accept(true, Instant::now());
+        let mut p = Vec::new();
+        let (h, key) = m.next_rx_packet(4096, &mut p, Instant::now()).unwrap();
+        assert_eq!(h.op, op::REQUEST);
+        let key = key.unwrap();
+        m.on_guest_packet(&from_guest(key, op::RESPONSE), &[]);
+        let mut line = [0u8; 14];
+        c.read_exact(&mut line).unwrap();
+        assert_eq!(&line[..3], b"OK ");
+        (c, key)
+    }
+
+    /// The muxer of a restored device: the connections `saved`, no host client.
+    fn restored(saved: &VsockConnections) -> (Muxer, tempfile::TempDir) {
+        let (mut m, d) = muxer();
+        m.restore_connections(saved).unwrap();
+        (m, d)
+    }
+
+    #[test]
+    fn snapshots_keep_quiet_host_connections_and_reset_the_rest() {
+        let (mut m, d) = muxer();
+        let (_c, key) = established(&mut m, &d);
+        // A second client whose request the guest has not answered.
+        let mut pending = UnixStream::connect(d.path().join("v.sock")).unwrap();
+        pending.write_all(b"CONNECT 60\n").unwrap();
+        m.accept(true, Instant::now());
+        // A guest-initiated connection is never kept (its host peer is this VMM's).
+        let l = std::os::unix::net::UnixListener::bind(d.path().join("v.sock_9")).unwrap();
+        let gkey = ConnKey {
+            local_port: 9,
+            peer_port: 7000,
+        };
+        m.on_guest_packet(&from_guest(gkey, op::REQUEST), &[]);
+        drop(l);
+        let saved = m.save_connections();
+        assert_eq!(saved.preserved.len(), 1, "{saved:?}");
+        assert_eq!(
+            (saved.preserved[0].local_port, saved.preserved[0].peer_port),
+            (key.local_port, 52)
+        );
+        assert_eq!(saved.reset.len(), 2, "{saved:?}");
+        assert!(saved.reset.contains(&(9, 7000)));
+        // Restored: the kept one waits; the others are reset in the guest.
+        let (mut r, _d2) = restored(&saved);
+        assert_eq!(r.detached_count(), 1);
+        let mut p = Vec::new();
+        let mut rsts = Vec::new();
+        while let Some((h, _)) = r.next_rx_packet(4096, &mut p, Instant::now()) {
+            assert_eq!(h.op, op::RST);
+            rsts.push((h.src_port, h.dst_port));
+        }
+        rsts.sort_unstable();
+        assert_eq!(rsts, saved.reset);
+    }
+
+    #[test]
+    fn attach_takes_over_a_kept_connection_with_its_stream() {
+        let (mut m, d) = muxer();
+        let (_c, key) = established(&mut m, &d);
+        let saved = m.save_connections();
+        let (mut r, d2) = restored(&saved);
+        let now = Instant::now();
+        // The guest writes before anyone attached: kept for the client.
+        r.on_guest_packet(
+            &{
+                let mut h = from_guest(key, op::RW);
+                h.len = 5;
+                h
+            },
+            b"early",
+        );
+        assert_eq!(r.connection_count(), 1);
+        let mut c = UnixStream::connect(d2.path().join("v.sock")).unwrap();
+        c.write_all(b"ATTACH 52\nping").unwrap();
+        r.accept(true, now);
+        assert_eq!(r.detached_count(), 0);
+        assert_eq!(r.metrics.preserved_attached, 1);
+        // OK with the kept host port, then what the guest sent meanwhile.
+        let expect = format!("OK {}\nearly", key.local_port);
+        let mut got = vec![0u8; expect.len()];
+        c.read_exact(&mut got).unwrap();
+        assert_eq!(String::from_utf8_lossy(&got), expect);
+        // The client's bytes reach the guest on the kept connection: no REQUEST.
+        let mut p = Vec::new();
+        let (h, k) = r.next_rx_packet(4096, &mut p, now).unwrap();
+        assert_eq!((h.op, k, &p[..]), (op::RW, Some(key), &b"ping"[..]));
+        assert_eq!((h.src_port, h.dst_port), (key.local_port, 52));
+        // A second ATTACH finds nothing kept: it becomes an ordinary CONNECT.
+        let mut c2 = UnixStream::connect(d2.path().join("v.sock")).unwrap();
+        c2.write_all(b"ATTACH 52\n").unwrap();
+        r.accept(true, now);
+        let (h, _) = r.next_rx_packet(4096, &mut p, now).unwrap();
+        assert_eq!(h.op, op::REQUEST);
+        assert_eq!(r.metrics.preserved_attached, 1);
+    }
+
+    #[test]
+    fn a_plain_connect_resets_the_kept_connections_to_its_port() {
+        let (mut m, d) = muxer();
+        let (_c, key) = established(&mut m, &d);
+        let saved = m.save_connections();
+        let (mut r, d2) = restored(&saved);
+        let now = Instant::now();
+        let mut c = UnixStream::connect(d2.path().join("v.sock")).unwrap();
+        c.write_all(b"CONNECT 52\n").unwrap();
+        r.accept(true, now);
+        assert_eq!(r.detached_count(), 0);
+        assert_eq!(r.metrics.preserved_dropped, 1);
+        // The guest is told: RST for the kept one first, then the new request.
+        let mut p = Vec::new();
+        let (h, k) = r.next_rx_packet(4096, &mut p, now).unwrap();
+        assert_eq!((h.op, h.src_port, k), (op::RST, key.local_port, None));
+        let (h, _) = r.next_rx_packet(4096, &mut p, now).unwrap();
+        assert_eq!((h.op, h.dst_port), (op::REQUEST, 52));
+    }
+
+    #[test]
+    fn hostile_guests_on_kept_connections_cannot_break_the_device() {
+        let (mut m, d) = muxer();
+        let (_c, key) = established(&mut m, &d);
+        let saved = m.save_connections();
+        // RST: forgotten without a reply.
+        let (mut r, _d) = restored(&saved);
+        r.on_guest_packet(&from_guest(key, op::RST), &[]);
+        assert_eq!((r.connection_count(), r.has_rx()), (0, false));
+        // A second REQUEST on it, a bogus op: reset.
+        for bad in [op::REQUEST, 0xffff, op::RESPONSE] {
+            let (mut r, _d) = restored(&saved);
+            r.on_guest_packet(&from_guest(key, bad), &[]);
+            assert_eq!(r.connection_count(), 0, "op {bad}");
+            let mut p = Vec::new();
+            assert_eq!(
+                r.next_rx_packet(4096, &mut p, Instant::now()).unwrap().0.op,
+                op::RST
+            );
+        }
+        // SHUTDOWN(both): closed.
+        let (mut r, _d) = restored(&saved);
+        let mut sd = from_guest(key, op::SHUTDOWN);
+        sd.flags = super::super::packet::shutdown::BOTH;
+        r.on_guest_packet(&sd, &[]);
+        assert_eq!(r.connection_count(), 0);
+        // Data beyond the credit while nobody is attached: reset, not buffered without bound.
+        let (mut r, _d) = restored(&saved);
+        let chunk = vec![0u8; 64 * 1024];
+        let mut h = from_guest(key, op::RW);
+        h.len = chunk.len() as u32;
+        for _ in 0..8 {
+            r.on_guest_packet(&h, &chunk);
+        }
+        assert_eq!(r.connection_count(), 0);
+        assert_eq!(r.metrics.credit_violations, 1);
+        // A state that lists one connection twice, or too many, is refused.
+        let mut twice = saved.clone();
+        twice.preserved.push(twice.preserved[0]);
+        let (mut m2, _d) = muxer();
+        assert!(m2.restore_connections(&twice).is_err());
+        let many = VsockConnections {
+            preserved: vec![],
+            reset: vec![(1, 1); MAX_CONNECTIONS + 1],
+        };
+        assert!(m2.restore_connections(&many).is_err());
     }
 
     #[test]

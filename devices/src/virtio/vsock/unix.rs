@@ -146,11 +146,20 @@ pub enum ConnectLine {
         /// Length of the line including `\n`.
         consumed: usize,
     },
+    /// `ATTACH <port>`: take over a connection to that guest port kept by the snapshot this
+    /// device was restored from, or else connect as `CONNECT` does.
+    Attach {
+        /// The guest port.
+        port: u32,
+        /// Length of the line including `\n`.
+        consumed: usize,
+    },
     /// Anything else.
     Invalid,
 }
 
-/// Parses `CONNECT <port>\n` (a `\r` before the newline is tolerated) from the start of `buf`.
+/// Parses `CONNECT <port>\n` or `ATTACH <port>\n` (a `\r` before the newline is tolerated)
+/// from the start of `buf`.
 pub fn parse_connect_line(buf: &[u8]) -> ConnectLine {
     let Some(nl) = buf.iter().position(|&b| b == b'\n') else {
         return if buf.len() >= MAX_CONNECT_LINE {
@@ -164,8 +173,13 @@ pub fn parse_connect_line(buf: &[u8]) -> ConnectLine {
     }
     let line = &buf[..nl];
     let line = line.strip_suffix(b"\r").unwrap_or(line);
-    let Some(port) = line.strip_prefix(b"CONNECT ") else {
-        return ConnectLine::Invalid;
+    let (attach, port) = match (
+        line.strip_prefix(b"CONNECT "),
+        line.strip_prefix(b"ATTACH "),
+    ) {
+        (Some(port), _) => (false, port),
+        (None, Some(port)) => (true, port),
+        (None, None) => return ConnectLine::Invalid,
     };
     if port.is_empty() || !port.iter().all(u8::is_ascii_digit) {
         return ConnectLine::Invalid;
@@ -174,6 +188,10 @@ pub fn parse_connect_line(buf: &[u8]) -> ConnectLine {
         .ok()
         .and_then(|s| s.parse::<u32>().ok())
     {
+        Some(port) if attach => ConnectLine::Attach {
+            port,
+            consumed: nl + 1,
+        },
         Some(port) => ConnectLine::Connect {
             port,
             consumed: nl + 1,
@@ -204,6 +222,13 @@ mod tests {
             }
         );
         assert_eq!(parse_connect_line(b"CONNECT 5"), ConnectLine::Incomplete);
+        assert_eq!(
+            parse_connect_line(b"ATTACH 1024\n"),
+            ConnectLine::Attach {
+                port: 1024,
+                consumed: 12
+            }
+        );
         assert_eq!(parse_connect_line(b""), ConnectLine::Incomplete);
         for bad in [
             &b"CONNECT 4294967296\n"[..],
@@ -213,6 +238,9 @@ mod tests {
             b"connect 5\n",
             b"CONNECT  5\n",
             b"HELLO\n",
+            b"ATTACH\n",
+            b"ATTACH x\n",
+            b"attach 5\n",
             &[b'1'; 40],
         ] {
             assert_eq!(parse_connect_line(bad), ConnectLine::Invalid, "{bad:?}");

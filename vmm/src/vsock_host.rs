@@ -1,0 +1,115 @@
+//! The host side of the vsock device's Unix-socket protocol, for clients in Rust: connect to
+//! the device's socket and send `CONNECT <port>\n` (a new connection: the guest must accept it)
+//! or `ATTACH <port>\n` (take over a connection to that guest port that the snapshot kept, or
+//! a new one when there is none); the device answers `OK <host port>\n` and the stream is open.
+
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// Longest reply line accepted.
+const MAX_REPLY: usize = 32;
+
+/// `ATTACH <port>`: the snapshot's connection to `port` when there is one (the guest then sees
+/// nothing until the first request), else a new connection as with [`connect`].
+pub fn attach(uds: &Path, port: u32, timeout: Duration) -> io::Result<UnixStream> {
+    handshake(uds, &format!("ATTACH {port}\n"), timeout)
+}
+
+/// `CONNECT <port>`: a new connection to guest port `port`.
+pub fn connect(uds: &Path, port: u32, timeout: Duration) -> io::Result<UnixStream> {
+    handshake(uds, &format!("CONNECT {port}\n"), timeout)
+}
+
+fn handshake(uds: &Path, line: &str, timeout: Duration) -> io::Result<UnixStream> {
+    let deadline = Instant::now() + timeout;
+    let mut s = UnixStream::connect(uds)?;
+    s.set_write_timeout(Some(timeout))?;
+    s.write_all(line.as_bytes())?;
+    // One byte at a time: what follows the line belongs to the caller's protocol.
+    let mut reply = Vec::with_capacity(MAX_REPLY);
+    let mut b = [0u8; 1];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no answer to {:?} within {timeout:?}", line.trim_end()),
+            ));
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut b)? {
+            0 => {
+                return Err(io::Error::new(
+                    io::ErrorKind::ConnectionRefused,
+                    format!(
+                        "the VMM closed the connection after {:?}: nothing listens on that guest \
+                         port, or the guest is not up",
+                        line.trim_end()
+                    ),
+                ))
+            }
+            _ if b[0] == b'\n' => break,
+            _ if reply.len() >= MAX_REPLY => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "no newline in the VMM's reply",
+                ))
+            }
+            _ => reply.push(b[0]),
+        }
+    }
+    let text = String::from_utf8_lossy(&reply);
+    let ok = text
+        .strip_prefix("OK ")
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()));
+    if !ok {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("unexpected reply {text:?} to {:?}", line.trim_end()),
+        ));
+    }
+    s.set_read_timeout(None)?;
+    s.set_write_timeout(None)?;
+    Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    fn fake_vmm(reply: &'static [u8]) -> (tempfile::TempDir, std::path::PathBuf) {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("v.sock");
+        let l = UnixListener::bind(&p).unwrap();
+        std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut line = [0u8; 12];
+            s.read_exact(&mut line).unwrap();
+            assert_eq!(&line, b"ATTACH 1024\n");
+            s.write_all(reply).unwrap();
+        });
+        (d, p)
+    }
+
+    #[test]
+    fn attach_reads_exactly_the_reply_line() {
+        let (_d, p) = fake_vmm(b"OK 1073741825\nrest");
+        let mut s = attach(&p, 1024, Duration::from_secs(5)).unwrap();
+        let mut rest = [0u8; 4];
+        s.read_exact(&mut rest).unwrap();
+        assert_eq!(&rest, b"rest");
+    }
+
+    #[test]
+    fn bad_replies_are_errors() {
+        let (_d, p) = fake_vmm(b"NO\n");
+        let e = attach(&p, 1024, Duration::from_secs(5)).unwrap_err();
+        assert!(e.to_string().contains("unexpected reply \"NO\""), "{e}");
+        let (_d, p) = fake_vmm(b"");
+        let e = attach(&p, 1024, Duration::from_secs(5)).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused);
+    }
+}
