@@ -238,6 +238,56 @@ pub fn restore(
     workdir: &Path,
     extra_vmm_args: &[String],
 ) -> Result<JailedLaunch, JailSetupError> {
+    let (cfg, req) = restore_jail(opts, id, vmm, snapshot, disks, workdir)?;
+    let mut args = vec![
+        "--restore".to_string(),
+        req.dir.display().to_string(),
+        "--vsock-uds".to_string(),
+        "/work/vsock".to_string(),
+    ];
+    let keep = |p: &Option<PathBuf>| {
+        p.as_ref()
+            .map_or("-".to_string(), |p| p.display().to_string())
+    };
+    for (path, base) in req.disk_paths.iter().zip(&req.disk_bases) {
+        args.extend([
+            "--disk-path".to_string(),
+            keep(path),
+            "--disk-base".to_string(),
+            keep(base),
+        ]);
+    }
+    args.extend(extra_vmm_args.iter().cloned());
+    Ok(finish(cfg, args))
+}
+
+/// A jailed VMM that waits for its restore (`ember-vmm --wait-restore`, a warm-pool VMM):
+/// the jail is that of [`restore`]; the request to send it when it is claimed comes back with
+/// the launch. `extra_vmm_args` must include `--api-sock` (where it waits).
+pub fn restore_waiting(
+    opts: &JailOptions,
+    id: &str,
+    vmm: &Path,
+    snapshot: &Path,
+    disks: &[SnapshotDisk],
+    workdir: &Path,
+    extra_vmm_args: &[String],
+) -> Result<(JailedLaunch, ember_vmm::pooled::RestoreRequest), JailSetupError> {
+    let (cfg, req) = restore_jail(opts, id, vmm, snapshot, disks, workdir)?;
+    let mut args = vec!["--wait-restore".to_string()];
+    args.extend(extra_vmm_args.iter().cloned());
+    Ok((finish(cfg, args), req))
+}
+
+/// The jail of a restore and the in-jail paths the VMM restores with.
+fn restore_jail(
+    opts: &JailOptions,
+    id: &str,
+    vmm: &Path,
+    snapshot: &Path,
+    disks: &[SnapshotDisk],
+    workdir: &Path,
+) -> Result<(JailConfig, ember_vmm::pooled::RestoreRequest), JailSetupError> {
     let mut cfg = common(opts, id, vmm, workdir)?;
     // A restored VMM reads its own /proc/self/pagemap for layered (pause) snapshots: the
     // pages it wrote are its private copies of the snapshot's memory (vmm/src/layer.rs).
@@ -247,12 +297,11 @@ pub fn restore(
         dest: PathBuf::from("/snapshot"),
         read_only: true,
     });
-    let mut args = vec![
-        "--restore".to_string(),
-        "/snapshot".to_string(),
-        "--vsock-uds".to_string(),
-        "/work/vsock".to_string(),
-    ];
+    let mut req = ember_vmm::pooled::RestoreRequest {
+        dir: PathBuf::from("/snapshot"),
+        vsock_uds: Some(PathBuf::from("/work/vsock")),
+        ..Default::default()
+    };
     for (i, d) in disks.iter().enumerate() {
         match d {
             SnapshotDisk::Overlay { base } => {
@@ -262,12 +311,9 @@ pub fn restore(
                     dest: PathBuf::from(&dest),
                     read_only: true,
                 });
-                args.extend([
-                    "--disk-path".to_string(),
-                    format!("/work/disk{i}.overlay"),
-                    "--disk-base".to_string(),
-                    dest,
-                ]);
+                req.disk_paths
+                    .push(Some(PathBuf::from(format!("/work/disk{i}.overlay"))));
+                req.disk_bases.push(Some(PathBuf::from(dest)));
             }
             SnapshotDisk::Raw { path, writable } => {
                 let dest = format!("/disk{i}");
@@ -276,17 +322,12 @@ pub fn restore(
                     dest: PathBuf::from(&dest),
                     read_only: !writable,
                 });
-                args.extend([
-                    "--disk-path".to_string(),
-                    dest,
-                    "--disk-base".to_string(),
-                    "-".to_string(),
-                ]);
+                req.disk_paths.push(Some(PathBuf::from(dest)));
+                req.disk_bases.push(None);
             }
         }
     }
-    args.extend(extra_vmm_args.iter().cloned());
-    Ok(finish(cfg, args))
+    Ok((cfg, req))
 }
 
 /// Removes a jail after its VMM exited.
