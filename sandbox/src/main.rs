@@ -148,6 +148,9 @@ enum BenchCmd {
     /// Runtime + HTTP server end to end: create → first result vs bare restore → ping,
     /// run_code round trip vs the library in-process, creates/s, host memory per idle sandbox.
     Api(cli::bench_api::BenchApiArgs),
+    /// Warm pool of jailed VMMs: API create → vCPU in KVM_RUN with and without it, and
+    /// creates/s (create → first run_code result) at 1/4/16/64 clients.
+    Pool(cli::bench_pool::BenchPoolArgs),
     /// Every scenario (boot, restore, sandbox, rtt, parallel, density, pause) beside the peers
     /// that run here: tables, JSON lines of every sample, CDF plots and an HTML report.
     All(cli::bench_all::BenchAllArgs),
@@ -969,6 +972,7 @@ fn main() -> ExitCode {
         Cmd::Bench(BenchCmd::Devices(a)) => bench_devices(a),
         Cmd::Bench(BenchCmd::Sandbox(a)) => cli::bench_sandbox::main(a),
         Cmd::Bench(BenchCmd::Api(a)) => cli::bench_api::main(a),
+        Cmd::Bench(BenchCmd::Pool(a)) => cli::bench_pool::main(a),
         Cmd::Bench(BenchCmd::All(a)) => cli::bench_all::main(a),
         Cmd::Bench(BenchCmd::Compare(a)) => cli::bench_all::compare_main(a),
         Cmd::Images { template } => {

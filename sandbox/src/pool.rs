@@ -5,8 +5,10 @@
 //! - **Claims** take a member out of its pool under the pool's lock: a member is handed out at
 //!   most once. A member found dead at claim time (or by the background check) is discarded and
 //!   replaced.
-//! - **Sizing**: each pool aims at `max(size, recent create rate × lead time)`, at most `max`.
-//!   The rate is counted over the last [`RATE_WINDOW`] of claims and misses.
+//! - **Sizing**: each pool aims at `max(size, peak demand)`, at most `max`, where the peak
+//!   demand is the most creates (claims, served or not) within any `lead` time over the last
+//!   [`RATE_WINDOW`]: a steady rate keeps rate × lead VMMs ready, a burst keeps the pool at
+//!   its size for the window.
 //! - **Invalidation**: a pool whose snapshot directory is gone (its template was rebuilt or
 //!   removed) is drained by the background thread; [`Pool::register`] with a new directory for
 //!   a template drains the old one at once.
@@ -134,9 +136,18 @@ impl<M> Entry<M> {
         {
             self.demand.pop_front();
         }
-        let rate = self.demand.len() as f64 / RATE_WINDOW.as_secs_f64();
-        let by_rate = (rate * s.lead.as_secs_f64()).ceil() as usize;
-        let t = s.size.max(by_rate).min(s.max.max(s.size));
+        // The most claims within any `lead` of the window: a burst keeps the pool that
+        // large for the window, a steady rate keeps it at rate × lead.
+        let mut peak = 0;
+        let mut start = 0;
+        let times: Vec<Instant> = self.demand.iter().copied().collect();
+        for (end, t) in times.iter().enumerate() {
+            while t.duration_since(times[start]) > s.lead {
+                start += 1;
+            }
+            peak = peak.max(end + 1 - start);
+        }
+        let t = s.size.max(peak).min(s.max.max(s.size));
         self.stats.target = t;
         t
     }

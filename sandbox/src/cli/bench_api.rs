@@ -208,6 +208,13 @@ impl Local {
     /// Opens a runtime on a temporary home and serves it on a free loopback port; returns
     /// the server's address and token.
     pub(crate) fn start() -> Result<(Local, SocketAddr, String)> {
+        Self::start_with(ember_sandbox::pool::PoolSettings::default())
+    }
+
+    /// [`Local::start`] with a warm pool of `pool` (`ember bench pool`).
+    pub(crate) fn start_with(
+        pool: ember_sandbox::pool::PoolSettings,
+    ) -> Result<(Local, SocketAddr, String)> {
         let tmp = std::env::temp_dir();
         let home = tempfile::Builder::new()
             .prefix("ember-bench-api-")
@@ -216,6 +223,7 @@ impl Local {
         let mut cfg = RuntimeConfig::new(home.path());
         // Whatever is left when the runtime goes away is killed.
         cfg.kill_on_drop = true;
+        cfg.pool = pool;
         let token_file = home.path().join("token");
         let mut local = Local {
             rt: None,

@@ -492,6 +492,7 @@ impl Runtime {
         Some(serde_json::json!({
             "path": if vm.pooled { "pool" } else { "fresh" },
             "to_first_run_ms": to_first_run_ms,
+            "first_run_mono_ns": first_run,
             "restore_ms": restore_ms,
             "synced_ms": vm.sandbox.timings().synced_ms,
         }))
