@@ -122,6 +122,9 @@ fn latency(a: &BenchPoolArgs, pool: usize) -> Result<Vec<Value>, String> {
         .ok_or("no runtime")?;
     let label = if pool > 0 { "pool" } else { "fresh" };
     let mut to_first_run = Vec::new();
+    let mut to_vmm = Vec::new();
+    let mut vcpus_to_run = Vec::new();
+    let mut steps: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     let mut in_runtime = Vec::new();
     let mut restore = Vec::new();
     let mut answered = Vec::new();
@@ -149,6 +152,22 @@ fn latency(a: &BenchPoolArgs, pool: usize) -> Result<Vec<Value>, String> {
                 .or_default() += 1;
             if let Some(ns) = vmm["first_run_mono_ns"].as_u64() {
                 to_first_run.push(ns.saturating_sub(sent) as f64 / 1e6);
+            }
+            if let Some(ns) = vmm["vmm_began_mono_ns"].as_u64() {
+                to_vmm.push(ns.saturating_sub(sent) as f64 / 1e6);
+            }
+            if let (Some(a), Some(b)) = (
+                vmm["vcpus_started_mono_ns"].as_u64(),
+                vmm["first_run_mono_ns"].as_u64(),
+            ) {
+                vcpus_to_run.push(b.saturating_sub(a) as f64 / 1e6);
+            }
+            if let Some(m) = vmm["restore_steps_ms"].as_object() {
+                for (k, v) in m {
+                    if let Some(v) = v.as_f64() {
+                        steps.entry(k.clone()).or_default().push(v);
+                    }
+                }
             }
             if let Some(ms) = vmm["to_first_run_ms"].as_f64() {
                 in_runtime.push(ms);
@@ -178,7 +197,22 @@ fn latency(a: &BenchPoolArgs, pool: usize) -> Result<Vec<Value>, String> {
             &format!("{label}: runtime create → vCPU in KVM_RUN"),
             &in_runtime,
         ),
+        summary(
+            &format!(
+                "{label}: API create → VMM {}",
+                if pool > 0 {
+                    "gets restore request"
+                } else {
+                    "process starts"
+                }
+            ),
+            &to_vmm,
+        ),
         summary(&format!("{label}: VMM restore (request → built)"), &restore),
+        summary(
+            &format!("{label}: vCPU threads started → KVM_RUN"),
+            &vcpus_to_run,
+        ),
         summary(
             &format!("{label}: API create answered (agent synced)"),
             &answered,
@@ -188,6 +222,9 @@ fn latency(a: &BenchPoolArgs, pool: usize) -> Result<Vec<Value>, String> {
             &first_result,
         ),
     ];
+    for (k, v) in &steps {
+        out.push(summary(&format!("{label}:   restore step {k}"), v));
+    }
     out.push(json!({ "measure": format!("{label}: VMM paths"), "paths": paths, "pool": rt.pool_stats() }));
     Ok(out)
 }

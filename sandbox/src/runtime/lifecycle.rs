@@ -478,6 +478,11 @@ impl Runtime {
         let report = std::fs::read_to_string(vm.host_path("/work/report.jsonl")).ok()?;
         let mut first_run = None;
         let mut restore_ms = None;
+        // When the VMM began the restore: its process start (fresh) or the restore
+        // request (pool).
+        let mut began = None;
+        let mut vcpus_started = None;
+        let mut steps = serde_json::Value::Null;
         for line in report.lines() {
             let Ok(ev) = serde_json::from_str::<serde_json::Value>(line) else {
                 continue;
@@ -485,6 +490,9 @@ impl Runtime {
             match ev["event"].as_str() {
                 Some("vcpu_first_run") if first_run.is_none() => first_run = ev["mono_ns"].as_u64(),
                 Some("built") => restore_ms = ev["ms_since_start"].as_f64(),
+                Some("start") | Some("restore_request") => began = ev["mono_ns"].as_u64(),
+                Some("vcpus_started") => vcpus_started = ev["mono_ns"].as_u64(),
+                Some("restore_steps") => steps = ev["ms"].clone(),
                 _ => {}
             }
         }
@@ -493,6 +501,9 @@ impl Runtime {
             "path": if vm.pooled { "pool" } else { "fresh" },
             "to_first_run_ms": to_first_run_ms,
             "first_run_mono_ns": first_run,
+            "vmm_began_mono_ns": began,
+            "vcpus_started_mono_ns": vcpus_started,
+            "restore_steps_ms": steps,
             "restore_ms": restore_ms,
             "synced_ms": vm.sandbox.timings().synced_ms,
         }))
