@@ -206,10 +206,24 @@ fn a_pooled_vmm_restores_exactly_like_a_fresh_one_and_is_jailed() {
     .unwrap_or_default();
     assert_eq!(pids_max.trim(), rt.config().pids_max.to_string());
 
+    // Forks and pauses of a pooled sandbox continue its state like those of a fresh one.
+    code(&rt, &pooled, "n = 41");
+    let kids = rt
+        .fork(
+            &pooled,
+            &ember_sandbox::runtime::ForkRequest {
+                count: 1,
+                timeout_secs: None,
+                metadata: None,
+            },
+        )
+        .unwrap();
+    assert_eq!(code(&rt, &kids[0].id, "n + 1").2.as_deref(), Some("42"));
+    rt.kill(&kids[0].id).unwrap();
     // Pause and resume go through a fresh VMM from the pause snapshot, as for any sandbox.
     rt.pause(&pooled).unwrap();
     rt.resume(&pooled).unwrap();
-    let (_, _, text) = code(&rt, &pooled, "6 * 7");
+    let (_, _, text) = code(&rt, &pooled, "n + 1");
     assert_eq!(text.as_deref(), Some("42"));
     rt.kill(&pooled).unwrap();
     rt.kill(&fresh).unwrap();

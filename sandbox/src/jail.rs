@@ -102,6 +102,32 @@ pub fn shared_libraries(binary: &Path) -> Result<Vec<PathBuf>, JailSetupError> {
     Ok(libs)
 }
 
+/// [`shared_libraries`], remembered per binary (path, size and modification time): every
+/// jailed start needs the list, and running `ldd` costs a process per start.
+pub fn shared_libraries_cached(binary: &Path) -> Result<Vec<PathBuf>, JailSetupError> {
+    type Key = (PathBuf, u64, Option<std::time::SystemTime>);
+    static CACHE: std::sync::Mutex<Vec<(Key, Vec<PathBuf>)>> = std::sync::Mutex::new(Vec::new());
+    let meta = std::fs::metadata(binary).ok();
+    let key = (
+        binary.to_path_buf(),
+        meta.as_ref().map_or(0, |m| m.len()),
+        meta.and_then(|m| m.modified().ok()),
+    );
+    if let Some((_, libs)) = CACHE
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .find(|(k, _)| *k == key)
+    {
+        return Ok(libs.clone());
+    }
+    let libs = shared_libraries(binary)?;
+    let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    cache.retain(|(k, _)| k.0 != key.0);
+    cache.push((key, libs.clone()));
+    Ok(libs)
+}
+
 fn file(src: &Path, dest: &str, writable: bool) -> FileSpec {
     FileSpec {
         src: src.to_path_buf(),
@@ -119,7 +145,7 @@ fn common(
     let mut cfg = JailConfig::new(id, vmm, opts.uid, opts.gid, &opts.chroot_base);
     cfg.limits = opts.limits.clone();
     cfg.new_pid_ns = opts.new_pid_ns;
-    for lib in shared_libraries(vmm)? {
+    for lib in shared_libraries_cached(vmm)? {
         let dest = lib.display().to_string();
         cfg.files.push(file(&lib, &dest, false));
     }
