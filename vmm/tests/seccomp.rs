@@ -342,6 +342,89 @@ fn request(sock: &Path, req: serde_json::Value) -> serde_json::Value {
     reply
 }
 
+/// A VMM waiting for its restore (`--wait-restore`) runs under the `restore` filter from the
+/// moment its socket is bound: the hook kills it there; without the hook it answers `ping`,
+/// restores a snapshot under that filter (every thread then also under its own) and runs it.
+#[test]
+fn a_waiting_vmm_restores_under_the_restore_filter() {
+    if !kvm_available() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "no usable /dev/kvm on this CI host"
+        );
+        eprintln!("skipped: no usable /dev/kvm");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name);
+    std::fs::write(p("counter.elf"), elf_with_code(COUNTER)).unwrap();
+    let snap = p("snap");
+    let mut vmm = Running::start(
+        &[
+            "--kernel".as_ref(),
+            p("counter.elf").as_os_str(),
+            "--mem-mib".as_ref(),
+            "64".as_ref(),
+            "--api-sock".as_ref(),
+            p("a.sock").as_os_str(),
+            "--report".as_ref(),
+            p("r1.jsonl").as_os_str(),
+        ],
+        None,
+    );
+    wait_for_events(&mut vmm, &p("r1.jsonl"), "boot_marker", 2);
+    request(
+        &p("a.sock"),
+        serde_json::json!({"op": "snapshot", "dir": snap, "kind": "full", "after": "exit"}),
+    );
+    assert!(vmm.wait().success());
+
+    // The hook fires right after the restore filter is installed.
+    let wait_args = |sock: &str, report: &str| -> Vec<std::ffi::OsString> {
+        vec![
+            "--wait-restore".into(),
+            "--api-sock".into(),
+            p(sock).into_os_string(),
+            "--report".into(),
+            p(report).into_os_string(),
+        ]
+    };
+    let args = wait_args("h.sock", "h.jsonl");
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+    let mut hooked = Running::start(&args, Some("restore"));
+    let s = hooked.wait();
+    assert_eq!(s.signal(), Some(libc::SIGSYS), "{s:?}");
+
+    let args = wait_args("w.sock", "w.jsonl");
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+    let mut vmm = Running::start(&args, None);
+    let t = std::time::Duration::from_secs(30);
+    let deadline = std::time::Instant::now() + t;
+    let ping = loop {
+        match ember_vmm::pooled::call(&p("w.sock"), &ember_vmm::pooled::WaitRequest::Ping, t) {
+            Ok(r) => break r,
+            Err(e) => {
+                assert!(std::time::Instant::now() < deadline, "{e}");
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
+    };
+    assert_eq!(ping["waiting"], true);
+    let restore = ember_vmm::pooled::WaitRequest::Restore(ember_vmm::pooled::RestoreRequest {
+        dir: snap.clone(),
+        ..Default::default()
+    });
+    let reply = ember_vmm::pooled::call(&p("w.sock"), &restore, t).unwrap();
+    assert_eq!(reply["ok"], true, "{reply}");
+    // It runs the guest, and the same socket now takes the running VM's requests.
+    let ticks = report_events(&p("w.jsonl"), "boot_marker");
+    wait_for_events(&mut vmm, &p("w.jsonl"), "boot_marker", ticks + 2);
+    request(&p("w.sock"), serde_json::json!({"op": "stats"}));
+    request(&p("w.sock"), serde_json::json!({"op": "shutdown"}));
+    let s = vmm.wait();
+    assert!(s.success(), "{s:?} (signal {:?})", s.signal());
+}
+
 #[test]
 fn control_requests_snapshots_and_restores_run_under_the_filters() {
     if !kvm_available() {
