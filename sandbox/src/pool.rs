@@ -285,10 +285,16 @@ impl<F: Filler> Pool<F> {
 
     /// Counters of every template's pool.
     pub fn stats(&self) -> Vec<PoolStats> {
-        let st = lock(&self.shared.state);
+        let mut st = lock(&self.shared.state);
+        let now = Instant::now();
+        let settings = self.shared.settings;
         let mut v: Vec<PoolStats> = st
             .pools
-            .values()
+            .values_mut()
+            .map(|e| {
+                e.target(&settings, now);
+                &*e
+            })
             .map(|e| PoolStats {
                 ready: e.ready.len(),
                 filling: e.filling,

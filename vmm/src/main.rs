@@ -229,7 +229,7 @@ fn wait_and_restore(
         "waiting",
         serde_json::json!({ "mono_ns": ember_vmm::report::monotonic_ns() }),
     );
-    let pending = match pooled::next_request(&listener) {
+    let pending = match pooled::next_request(&listener, false) {
         Ok(p) => p,
         Err(e) => return fail(e.to_string()),
     };
@@ -237,6 +237,12 @@ fn wait_and_restore(
     let start = StartTime::now();
     let req = match &pending.request {
         WaitRequest::Restore(r) => r.clone(),
+        WaitRequest::Start => {
+            pending.reply(
+                &serde_json::json!({ "ok": false, "error": "nothing to start: restore first" }),
+            );
+            return fail("start requested before any restore".into());
+        }
         WaitRequest::Shutdown | WaitRequest::Ping => {
             pending.reply(&serde_json::json!({ "ok": true }));
             return ExitCode::SUCCESS;
@@ -244,7 +250,7 @@ fn wait_and_restore(
     };
     reporter.event(
         "restore_request",
-        serde_json::json!({ "mono_ns": start.mono_ns, "dir": req.dir }),
+        serde_json::json!({ "mono_ns": start.mono_ns, "dir": req.dir, "hold": req.hold }),
     );
     let mut opts = req.options();
     opts.cpu_profile = args.cpu_profile;
@@ -257,11 +263,6 @@ fn wait_and_restore(
             return fail(msg);
         }
     };
-    if let Err(e) = vm.serve_api_listener(listener) {
-        let msg = format!("control socket: {e}");
-        pending.reply(&serde_json::json!({ "ok": false, "error": msg }));
-        return fail(msg);
-    }
     let ms = start.instant.elapsed().as_secs_f64() * 1e3;
     reporter.event(
         "built",
@@ -274,6 +275,39 @@ fn wait_and_restore(
             "pooled": true,
         }),
     );
+    // A held VM waits for `start` (or `shutdown`) before its vCPUs run.
+    let pending = if req.hold {
+        pending.reply(&serde_json::json!({ "ok": true, "ms": ms, "held": true }));
+        loop {
+            let p = match pooled::next_request(&listener, true) {
+                Ok(p) => p,
+                Err(e) => return fail(e.to_string()),
+            };
+            match p.request {
+                WaitRequest::Start => {
+                    reporter.event(
+                        "start_request",
+                        serde_json::json!({ "mono_ns": ember_vmm::report::monotonic_ns() }),
+                    );
+                    break p;
+                }
+                WaitRequest::Shutdown => {
+                    p.reply(&serde_json::json!({ "ok": true }));
+                    return ExitCode::SUCCESS;
+                }
+                _ => p.reply(&serde_json::json!({
+                    "ok": false, "error": "a VM is restored and held: start or shutdown it",
+                })),
+            }
+        }
+    } else {
+        pending
+    };
+    if let Err(e) = vm.serve_api_listener(listener) {
+        let msg = format!("control socket: {e}");
+        pending.reply(&serde_json::json!({ "ok": false, "error": msg }));
+        return fail(msg);
+    }
     pending.reply(&serde_json::json!({ "ok": true, "ms": ms }));
     match vm.run() {
         Ok(exit) => {

@@ -15,8 +15,12 @@
 //! {"op":"shutdown"}                                  → {"ok":true}   (then the VMM exits 0)
 //! ```
 //!
-//! After a successful restore the same socket serves the running VM's requests
-//! ([`crate::api`]). A failed restore is answered with `{"ok":false,"error":…}` and the VMM
+//! With `"hold":true` the VM is restored at once but its vCPUs wait for a second request,
+//! `{"op":"start"}` → `{"ok":true}`: the pool builds the VM ahead too, so that a create only
+//! starts it (`ping` then answers `"held":true`).
+//!
+//! After a successful restore (or the `start` of a held one) the same socket serves the
+//! running VM's requests ([`crate::api`]). A failed restore is answered with `{"ok":false,"error":…}` and the VMM
 //! exits non-zero: a half-built VM is never reused. A bad request line is answered with an
 //! error and the VMM keeps waiting.
 
@@ -52,6 +56,10 @@ pub struct RestoreRequest {
     /// Track dirty pages (diff snapshots).
     #[serde(default)]
     pub track_dirty_pages: bool,
+    /// Restore now but start no vCPU until a `start` request: the VM is built ahead and a
+    /// claim only starts it.
+    #[serde(default)]
+    pub hold: bool,
 }
 
 impl RestoreRequest {
@@ -75,8 +83,10 @@ impl RestoreRequest {
 pub enum WaitRequest {
     /// Is it alive and waiting?
     Ping,
-    /// Restore a snapshot and run it.
+    /// Restore a snapshot and run it (or hold it, see [`RestoreRequest::hold`]).
     Restore(RestoreRequest),
+    /// Start the vCPUs of a VM restored with `hold`.
+    Start,
     /// Exit 0 without building a VM.
     Shutdown,
 }
@@ -130,8 +140,9 @@ impl Pending {
     }
 }
 
-/// Waits for the next valid request. Bad lines and `ping` are answered here.
-pub fn next_request(listener: &UnixListener) -> Result<Pending, WaitError> {
+/// Waits for the next valid request. Bad lines and `ping` are answered here (`held`: a VM
+/// is restored and waits for `start`).
+pub fn next_request(listener: &UnixListener, held: bool) -> Result<Pending, WaitError> {
     loop {
         let (conn, _) = match listener.accept() {
             Ok(c) => c,
@@ -159,9 +170,9 @@ pub fn next_request(listener: &UnixListener) -> Result<Pending, WaitError> {
             Ok(_) => {}
         }
         match serde_json::from_str::<WaitRequest>(line.trim()) {
-            Ok(WaitRequest::Ping) => {
-                pending.reply(&serde_json::json!({"ok": true, "waiting": true}))
-            }
+            Ok(WaitRequest::Ping) => pending.reply(&serde_json::json!({
+                "ok": true, "waiting": true, "held": held,
+            })),
             Ok(request) => {
                 pending.request = request;
                 return Ok(pending);
@@ -246,7 +257,7 @@ mod tests {
             let shut = call(&p2, &WaitRequest::Shutdown, t).unwrap();
             (bad, ping, shut)
         });
-        let p = next_request(&listener).unwrap();
+        let p = next_request(&listener, false).unwrap();
         assert_eq!(p.request, WaitRequest::Shutdown);
         p.reply(&serde_json::json!({"ok": true}));
         let (bad, ping, shut) = client.join().unwrap();

@@ -201,14 +201,24 @@ fn latency(a: &BenchPoolArgs, pool: usize) -> Result<Vec<Value>, String> {
             &format!(
                 "{label}: API create → VMM {}",
                 if pool > 0 {
-                    "gets restore request"
+                    "gets start request"
                 } else {
                     "process starts"
                 }
             ),
             &to_vmm,
         ),
-        summary(&format!("{label}: VMM restore (request → built)"), &restore),
+        summary(
+            &format!(
+                "{label}: VMM restore (request → built){}",
+                if pool > 0 {
+                    ", ahead of the create"
+                } else {
+                    ""
+                }
+            ),
+            &restore,
+        ),
         summary(
             &format!("{label}: vCPU threads started → KVM_RUN"),
             &vcpus_to_run,

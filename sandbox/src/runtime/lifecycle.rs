@@ -490,7 +490,10 @@ impl Runtime {
             match ev["event"].as_str() {
                 Some("vcpu_first_run") if first_run.is_none() => first_run = ev["mono_ns"].as_u64(),
                 Some("built") => restore_ms = ev["ms_since_start"].as_f64(),
-                Some("start") | Some("restore_request") => began = ev["mono_ns"].as_u64(),
+                // A pooled VMM restored ahead: its critical path begins at `start`.
+                Some("start") | Some("restore_request") | Some("start_request") => {
+                    began = ev["mono_ns"].as_u64()
+                }
                 Some("vcpus_started") => vcpus_started = ev["mono_ns"].as_u64(),
                 Some("restore_steps") => steps = ev["ms"].clone(),
                 _ => {}

@@ -5,9 +5,12 @@
 //! claiming create applies its own policy). The snapshot's files are bind-mounted into the
 //! jail at fill time, so a pool is per template snapshot ([`crate::pool`]).
 //!
-//! A claim sends the member its `restore` request ([`ember_vmm::pooled`]) and attaches to it
-//! like a fresh launch ([`Sandbox::attach`]); the create path then pays neither the process
-//! creation, the jail and cgroup set-up, nor the namespace set-up.
+//! Once the member waits, the filler has it restore the snapshot with its vCPUs held (all the
+//! per-clone overrides are in-jail paths known at fill time: `/work/vsock`,
+//! `/work/disk<i>.overlay`, the TAP in its own namespace), so a claim only sends `start`
+//! ([`ember_vmm::pooled`]) and attaches to it like a fresh launch ([`Sandbox::attach`]): the
+//! create path pays neither the process creation, the jail, cgroup and namespace set-up, nor
+//! the restore itself.
 
 use std::collections::BTreeSet;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -192,6 +195,7 @@ impl VmmFiller {
         match self
             .wait_ready(&mut warm)
             .and_then(|_| precopy_overlays(&warm, dir, uid))
+            .and_then(|_| restore_held(&warm))
         {
             Ok(()) => {
                 warm.ready_at = Instant::now();
@@ -264,6 +268,20 @@ fn precopy_overlays(w: &WarmVmm, dir: &Path, uid: u32) -> Result<(), String> {
     Ok(())
 }
 
+/// Has the member restore its snapshot now and hold its vCPUs until the claim's `start`.
+fn restore_held(w: &WarmVmm) -> Result<(), String> {
+    let mut req = w.restore.clone();
+    req.hold = true;
+    match ember_vmm::pooled::call(&w.api_host(), &WaitRequest::Restore(req), READY_TIMEOUT) {
+        Ok(r) if r["ok"] == true && r["held"] == true => Ok(()),
+        Ok(r) => Err(format!(
+            "the waiting VMM refused the restore: {}",
+            r["error"]
+        )),
+        Err(e) => Err(e),
+    }
+}
+
 impl WarmVmm {
     fn api_host(&self) -> PathBuf {
         self.jail.host_path(Path::new("/work/api.sock"))
@@ -288,7 +306,7 @@ impl WarmVmm {
             net,
             disks,
             limits: _,
-            restore,
+            restore: _,
             state: pool_state,
             ready_at: _,
         } = self;
@@ -312,13 +330,14 @@ impl WarmVmm {
                 format!("{}: {e}", state.display()),
             ));
         }
-        match ember_vmm::pooled::call(&sock, &WaitRequest::Restore(restore), connect_timeout) {
+        // The VM is restored and held: starting its vCPUs is all that is left.
+        match ember_vmm::pooled::call(&sock, &WaitRequest::Start, connect_timeout) {
             Ok(r) if r["ok"] == true => {}
             Ok(r) => {
                 return Err(fail(
                     Some(&mut child),
                     &jail,
-                    format!("the pooled VMM refused the restore: {}", r["error"]),
+                    format!("the pooled VMM refused to start: {}", r["error"]),
                 ))
             }
             Err(e) => return Err(fail(Some(&mut child), &jail, e)),
