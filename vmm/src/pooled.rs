@@ -236,6 +236,16 @@ mod tests {
             serde_json::from_str::<WaitRequest>(r#"{"op":"shutdown"}"#).unwrap(),
             WaitRequest::Shutdown
         );
+        assert_eq!(
+            serde_json::from_str::<WaitRequest>(r#"{"op":"start"}"#).unwrap(),
+            WaitRequest::Start
+        );
+        let WaitRequest::Restore(r) =
+            serde_json::from_str(r#"{"op":"restore","dir":"/s","hold":true}"#).unwrap()
+        else {
+            panic!("not a restore")
+        };
+        assert!(r.hold);
     }
 
     #[test]
