@@ -7,8 +7,8 @@
 //!   replaced.
 //! - **Sizing**: each pool aims at `max(size, peak demand)`, at most `max`, where the peak
 //!   demand is the most creates (claims, served or not) within any `lead` time over the last
-//!   [`RATE_WINDOW`]: a steady rate keeps rate × lead VMMs ready, a burst keeps the pool at
-//!   its size for the window.
+//!   [`RATE_WINDOW`] (or `lead`, if longer): a steady rate keeps rate × lead VMMs ready, a
+//!   burst keeps the pool at its size for the window.
 //! - **Invalidation**: a pool whose snapshot directory is gone (its template was rebuilt or
 //!   removed) is drained by the background thread; [`Pool::register`] with a new directory for
 //!   a template drains the old one at once.
@@ -129,10 +129,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl<M> Entry<M> {
     fn target(&mut self, s: &PoolSettings, now: Instant) -> usize {
+        let window = RATE_WINDOW.max(s.lead);
         while self
             .demand
             .front()
-            .is_some_and(|t| now.duration_since(*t) > RATE_WINDOW)
+            .is_some_and(|t| now.duration_since(*t) > window)
         {
             self.demand.pop_front();
         }
