@@ -430,6 +430,13 @@ pub fn runtime_config(home: &std::path::Path) -> ember_sandbox::RuntimeConfig {
     cfg.vmm = Some(bin("ember-vmm"));
     cfg.jailer = Some(bin("ember-jailer"));
     cfg.kill_on_drop = true;
+    // `EMBER_TEST_POOL=N` runs every runtime test through a warm pool of N VMMs per template.
+    if let Some(n) = std::env::var("EMBER_TEST_POOL")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        cfg.pool.size = n;
+    }
     cfg
 }
 

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 /// Thread kinds: each has `seccomp/<kind>.json` whose single top-level key is `<kind>`.
 /// Keep in sync with `ThreadKind` in `src/seccomp/mod.rs`.
-const KINDS: &[&str] = &["main", "vcpu", "prefetch", "log"];
+const KINDS: &[&str] = &["main", "vcpu", "prefetch", "log", "restore"];
 
 /// Output modes and the mismatch action each is compiled with.
 const MODES: &[(&str, &str)] = &[("kill", "kill_process"), ("log", "log")];

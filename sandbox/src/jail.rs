@@ -70,34 +70,8 @@ pub enum JailSetupError {
 }
 
 /// The ELF interpreter and shared libraries `binary` needs (empty for a static binary), as
-/// the dynamic loader resolves them on this host. Remembered per binary (path, size and
-/// modification time): `ldd` is a shell script and a loader run, tens of milliseconds on a
-/// busy host, and every jailed start needs the list.
+/// the dynamic loader resolves them on this host.
 pub fn shared_libraries(binary: &Path) -> Result<Vec<PathBuf>, JailSetupError> {
-    use std::collections::HashMap;
-    use std::sync::{Mutex, OnceLock};
-    type Key = (PathBuf, u64, Option<std::time::SystemTime>);
-    static CACHE: OnceLock<Mutex<HashMap<Key, Vec<PathBuf>>>> = OnceLock::new();
-    let key = std::fs::metadata(binary)
-        .ok()
-        .map(|m| (binary.to_path_buf(), m.len(), m.modified().ok()));
-    let cache = CACHE.get_or_init(Default::default);
-    if let Some(k) = &key {
-        if let Some(libs) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(k) {
-            return Ok(libs.clone());
-        }
-    }
-    let libs = ldd(binary)?;
-    if let Some(k) = key {
-        cache
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(k, libs.clone());
-    }
-    Ok(libs)
-}
-
-fn ldd(binary: &Path) -> Result<Vec<PathBuf>, JailSetupError> {
     let out = std::process::Command::new("ldd")
         .arg(binary)
         .output()
@@ -130,6 +104,32 @@ fn ldd(binary: &Path) -> Result<Vec<PathBuf>, JailSetupError> {
     Ok(libs)
 }
 
+/// [`shared_libraries`], remembered per binary (path, size and modification time): every
+/// jailed start needs the list, and running `ldd` costs a process per start.
+pub fn shared_libraries_cached(binary: &Path) -> Result<Vec<PathBuf>, JailSetupError> {
+    type Key = (PathBuf, u64, Option<std::time::SystemTime>);
+    static CACHE: std::sync::Mutex<Vec<(Key, Vec<PathBuf>)>> = std::sync::Mutex::new(Vec::new());
+    let meta = std::fs::metadata(binary).ok();
+    let key = (
+        binary.to_path_buf(),
+        meta.as_ref().map_or(0, |m| m.len()),
+        meta.and_then(|m| m.modified().ok()),
+    );
+    if let Some((_, libs)) = CACHE
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .find(|(k, _)| *k == key)
+    {
+        return Ok(libs.clone());
+    }
+    let libs = shared_libraries(binary)?;
+    let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    cache.retain(|(k, _)| k.0 != key.0);
+    cache.push((key, libs.clone()));
+    Ok(libs)
+}
+
 fn file(src: &Path, dest: &str, writable: bool) -> FileSpec {
     FileSpec {
         src: src.to_path_buf(),
@@ -148,7 +148,7 @@ fn common(
     cfg.limits = opts.limits.clone();
     cfg.new_pid_ns = opts.new_pid_ns;
     cfg.exec_link = opts.exec_link;
-    for lib in shared_libraries(vmm)? {
+    for lib in shared_libraries_cached(vmm)? {
         let dest = lib.display().to_string();
         cfg.files.push(file(&lib, &dest, false));
     }
@@ -267,6 +267,56 @@ pub fn restore(
     workdir: &Path,
     extra_vmm_args: &[String],
 ) -> Result<JailedLaunch, JailSetupError> {
+    let (cfg, req) = restore_jail(opts, id, vmm, snapshot, disks, workdir)?;
+    let mut args = vec![
+        "--restore".to_string(),
+        req.dir.display().to_string(),
+        "--vsock-uds".to_string(),
+        "/work/vsock".to_string(),
+    ];
+    let keep = |p: &Option<PathBuf>| {
+        p.as_ref()
+            .map_or("-".to_string(), |p| p.display().to_string())
+    };
+    for (path, base) in req.disk_paths.iter().zip(&req.disk_bases) {
+        args.extend([
+            "--disk-path".to_string(),
+            keep(path),
+            "--disk-base".to_string(),
+            keep(base),
+        ]);
+    }
+    args.extend(extra_vmm_args.iter().cloned());
+    Ok(finish(cfg, args))
+}
+
+/// A jailed VMM that waits for its restore (`ember-vmm --wait-restore`, a warm-pool VMM):
+/// the jail is that of [`restore`]; the request to send it when it is claimed comes back with
+/// the launch. `extra_vmm_args` must include `--api-sock` (where it waits).
+pub fn restore_waiting(
+    opts: &JailOptions,
+    id: &str,
+    vmm: &Path,
+    snapshot: &Path,
+    disks: &[SnapshotDisk],
+    workdir: &Path,
+    extra_vmm_args: &[String],
+) -> Result<(JailedLaunch, ember_vmm::pooled::RestoreRequest), JailSetupError> {
+    let (cfg, req) = restore_jail(opts, id, vmm, snapshot, disks, workdir)?;
+    let mut args = vec!["--wait-restore".to_string()];
+    args.extend(extra_vmm_args.iter().cloned());
+    Ok((finish(cfg, args), req))
+}
+
+/// The jail of a restore and the in-jail paths the VMM restores with.
+fn restore_jail(
+    opts: &JailOptions,
+    id: &str,
+    vmm: &Path,
+    snapshot: &Path,
+    disks: &[SnapshotDisk],
+    workdir: &Path,
+) -> Result<(JailConfig, ember_vmm::pooled::RestoreRequest), JailSetupError> {
     let mut cfg = common(opts, id, vmm, workdir)?;
     // A restored VMM reads its own /proc/self/pagemap for layered (pause) snapshots: the
     // pages it wrote are its private copies of the snapshot's memory (vmm/src/layer.rs).
@@ -276,12 +326,11 @@ pub fn restore(
         dest: PathBuf::from("/snapshot"),
         read_only: true,
     });
-    let mut args = vec![
-        "--restore".to_string(),
-        "/snapshot".to_string(),
-        "--vsock-uds".to_string(),
-        "/work/vsock".to_string(),
-    ];
+    let mut req = ember_vmm::pooled::RestoreRequest {
+        dir: PathBuf::from("/snapshot"),
+        vsock_uds: Some(PathBuf::from("/work/vsock")),
+        ..Default::default()
+    };
     for (i, d) in disks.iter().enumerate() {
         match d {
             SnapshotDisk::Overlay { base } => {
@@ -291,12 +340,9 @@ pub fn restore(
                     dest: PathBuf::from(&dest),
                     read_only: true,
                 });
-                args.extend([
-                    "--disk-path".to_string(),
-                    format!("/work/disk{i}.overlay"),
-                    "--disk-base".to_string(),
-                    dest,
-                ]);
+                req.disk_paths
+                    .push(Some(PathBuf::from(format!("/work/disk{i}.overlay"))));
+                req.disk_bases.push(Some(PathBuf::from(dest)));
             }
             SnapshotDisk::Raw { path, writable } => {
                 let dest = format!("/disk{i}");
@@ -305,17 +351,12 @@ pub fn restore(
                     dest: PathBuf::from(&dest),
                     read_only: !writable,
                 });
-                args.extend([
-                    "--disk-path".to_string(),
-                    dest,
-                    "--disk-base".to_string(),
-                    "-".to_string(),
-                ]);
+                req.disk_paths.push(Some(PathBuf::from(dest)));
+                req.disk_bases.push(None);
             }
         }
     }
-    args.extend(extra_vmm_args.iter().cloned());
-    Ok(finish(cfg, args))
+    Ok((cfg, req))
 }
 
 /// Removes a jail after its VMM exited.

@@ -9,6 +9,7 @@ pub mod images;
 pub mod jail;
 pub mod netpolicy;
 pub mod paths;
+pub mod pool;
 pub mod runtime;
 pub mod sandbox;
 pub mod store;

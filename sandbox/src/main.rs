@@ -151,6 +151,9 @@ enum BenchCmd {
     /// How many idle sandboxes the host holds: host memory, PSS and idle CPU per sandbox as N
     /// grows, every sandbox answering, and (with --until-failure) what stops it.
     Density(cli::bench_density::BenchDensityArgs),
+    /// Warm pool of jailed VMMs: API create → vCPU in KVM_RUN with and without it, and
+    /// creates/s (create → first run_code result) at 1/4/16/64 clients.
+    Pool(cli::bench_pool::BenchPoolArgs),
     /// Every scenario (boot, restore, sandbox, rtt, parallel, density, pause) beside the peers
     /// that run here: tables, JSON lines of every sample, CDF plots and an HTML report.
     All(cli::bench_all::BenchAllArgs),
@@ -993,6 +996,7 @@ fn main() -> ExitCode {
         Cmd::Bench(BenchCmd::Sandbox(a)) => cli::bench_sandbox::main(a),
         Cmd::Bench(BenchCmd::Api(a)) => cli::bench_api::main(a),
         Cmd::Bench(BenchCmd::Density(a)) => cli::bench_density::main(a),
+        Cmd::Bench(BenchCmd::Pool(a)) => cli::bench_pool::main(a),
         Cmd::Bench(BenchCmd::All(a)) => cli::bench_all::main(a),
         Cmd::Bench(BenchCmd::Compare(a)) => cli::bench_all::compare_main(a),
         Cmd::Images { template } => {

@@ -344,6 +344,27 @@ impl Sandbox {
                 id: id.clone(),
                 message: format!("cannot start {:?}: {e}", command.get_program()),
             })?;
+        Self::attach(
+            id,
+            child,
+            AdoptPaths { dir, uds, api, log },
+            t0,
+            connect_timeout,
+        )
+    }
+
+    /// Takes over `child`, a VMM this process started (with [`Sandbox::launch`], or ahead of
+    /// time by the runtime's warm pool and since told to restore), waits for the guest's agent
+    /// and syncs its clock and entropy. `t0` is when the create began (for
+    /// [`Sandbox::timings`]). A failure kills the VMM.
+    pub fn attach(
+        id: String,
+        child: Child,
+        paths: AdoptPaths,
+        t0: Instant,
+        connect_timeout: Duration,
+    ) -> Result<Sandbox, SandboxError> {
+        let AdoptPaths { dir, uds, api, log } = paths;
         let pidfd = pidfd_open(child.id() as i32).ok();
         let mut sandbox = Sandbox {
             id,

@@ -163,6 +163,18 @@ impl ApiServer {
         })
     }
 
+    /// Serves an already bound listener (a VMM that waited for its restore on it,
+    /// [`crate::pooled`]).
+    pub fn from_listener(listener: UnixListener, queue: ApiQueue) -> std::io::Result<Self> {
+        listener.set_nonblocking(true)?;
+        Ok(Self {
+            listener,
+            queue,
+            next_id: 1,
+            readers: HashMap::new(),
+        })
+    }
+
     fn accept(&mut self, ops: &mut EventOps) {
         while let Ok((stream, _)) = self.listener.accept() {
             let id = self.next_id;

@@ -17,6 +17,7 @@ pub mod layer;
 pub mod logging;
 pub mod memory;
 pub mod netns;
+pub mod pooled;
 pub mod report;
 pub mod rotating_file;
 pub mod seccomp;

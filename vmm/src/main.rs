@@ -117,6 +117,11 @@ struct Args {
     /// Serve the control socket (pause, resume, snapshot, stats, shutdown) at this path.
     #[arg(long)]
     api_sock: Option<PathBuf>,
+    /// Build no VM: bind --api-sock, install the `restore` seccomp filter and wait for a
+    /// `{"op":"restore","dir":…}` request naming the snapshot and the clone's overrides (a
+    /// warm-pool VMM, see `ember_vmm::pooled`), then run it like --restore.
+    #[arg(long, requires = "api_sock", conflicts_with_all = ["restore", "config", "kernel", "disks", "nets", "vsock", "merge_snapshot", "dry_run", "mem_mib", "vcpus", "cmdline", "cmdline_append"])]
+    wait_restore: bool,
 }
 
 fn serial_out(
@@ -202,6 +207,126 @@ fn config(args: &Args) -> Result<VmConfig, String> {
     Ok(c)
 }
 
+/// `--wait-restore`: waits on the control socket for the restore request, then runs the VM.
+fn wait_and_restore(
+    args: &Args,
+    out: ember_devices::legacy::SerialOut,
+    reporter: Reporter,
+) -> ExitCode {
+    use ember_vmm::pooled::{self, WaitRequest};
+    let fail = |msg: String| {
+        reporter.event("error", serde_json::json!({ "message": msg }));
+        eprintln!("ember-vmm: error: {msg}");
+        ExitCode::from(1)
+    };
+    let Some(sock) = &args.api_sock else {
+        return fail("--wait-restore needs --api-sock".into());
+    };
+    let listener = match pooled::bind(sock) {
+        Ok(l) => l,
+        Err(e) => return fail(e.to_string()),
+    };
+    if let Err(e) = ember_vmm::seccomp::install_configured(ember_vmm::seccomp::ThreadKind::Restore)
+    {
+        return fail(e.to_string());
+    }
+    reporter.event(
+        "waiting",
+        serde_json::json!({ "mono_ns": ember_vmm::report::monotonic_ns() }),
+    );
+    let pending = match pooled::next_request(&listener, false) {
+        Ok(p) => p,
+        Err(e) => return fail(e.to_string()),
+    };
+    // Timings from here on are those of the restore, not of the wait.
+    let start = StartTime::now();
+    let req = match &pending.request {
+        WaitRequest::Restore(r) => r.clone(),
+        WaitRequest::Start => {
+            pending.reply(
+                &serde_json::json!({ "ok": false, "error": "nothing to start: restore first" }),
+            );
+            return fail("start requested before any restore".into());
+        }
+        WaitRequest::Shutdown | WaitRequest::Ping => {
+            pending.reply(&serde_json::json!({ "ok": true }));
+            return ExitCode::SUCCESS;
+        }
+    };
+    reporter.event(
+        "restore_request",
+        serde_json::json!({ "mono_ns": start.mono_ns, "dir": req.dir, "hold": req.hold }),
+    );
+    let mut opts = req.options();
+    opts.cpu_profile = args.cpu_profile;
+    opts.track_dirty_pages |= args.track_dirty_pages;
+    let mut vm = match Vm::restore(&req.dir, &opts, out, reporter.clone(), start) {
+        Ok(vm) => vm,
+        Err(e) => {
+            let msg = e.to_string();
+            pending.reply(&serde_json::json!({ "ok": false, "error": msg }));
+            return fail(msg);
+        }
+    };
+    let ms = start.instant.elapsed().as_secs_f64() * 1e3;
+    reporter.event(
+        "built",
+        serde_json::json!({
+            "ms_since_start": ms,
+            "cmdline": vm.cmdline,
+            "cpu_profile": vm.profile,
+            "host_kvm": vm.host,
+            "restored": true,
+            "pooled": true,
+        }),
+    );
+    // A held VM waits for `start` (or `shutdown`) before its vCPUs run.
+    let pending = if req.hold {
+        pending.reply(&serde_json::json!({ "ok": true, "ms": ms, "held": true }));
+        loop {
+            let p = match pooled::next_request(&listener, true) {
+                Ok(p) => p,
+                Err(e) => return fail(e.to_string()),
+            };
+            match p.request {
+                WaitRequest::Start => {
+                    reporter.event(
+                        "start_request",
+                        serde_json::json!({ "mono_ns": ember_vmm::report::monotonic_ns() }),
+                    );
+                    break p;
+                }
+                WaitRequest::Shutdown => {
+                    p.reply(&serde_json::json!({ "ok": true }));
+                    return ExitCode::SUCCESS;
+                }
+                _ => p.reply(&serde_json::json!({
+                    "ok": false, "error": "a VM is restored and held: start or shutdown it",
+                })),
+            }
+        }
+    } else {
+        pending
+    };
+    if let Err(e) = vm.serve_api_listener(listener) {
+        let msg = format!("control socket: {e}");
+        pending.reply(&serde_json::json!({ "ok": false, "error": msg }));
+        return fail(msg);
+    }
+    pending.reply(&serde_json::json!({ "ok": true, "ms": ms }));
+    match vm.run() {
+        Ok(exit) => {
+            let code = exit.exit_code();
+            let _ = std::io::stdout().flush();
+            if code != 0 {
+                eprintln!("ember-vmm: {exit}");
+            }
+            ExitCode::from(code as u8)
+        }
+        Err(e) => fail(e.to_string()),
+    }
+}
+
 fn main() -> ExitCode {
     let start = StartTime::now();
     let args = Args::parse();
@@ -262,6 +387,9 @@ fn main() -> ExitCode {
         Ok(o) => o,
         Err(e) => return fail(e),
     };
+    if args.wait_restore {
+        return wait_and_restore(&args, out, reporter);
+    }
     let built = match &args.restore {
         Some(dir) => {
             let opts = ember_vmm::snapshot::RestoreOptions {

@@ -648,6 +648,19 @@ impl Vm {
         Ok(())
     }
 
+    /// Serves the control socket on `listener`, already bound (by a VMM that waited for its
+    /// restore request on it, [`crate::pooled`]).
+    pub fn serve_api_listener(
+        &mut self,
+        listener: std::os::unix::net::UnixListener,
+    ) -> std::io::Result<()> {
+        let queue = ApiQueue::default();
+        let server = ApiServer::from_listener(listener, queue.clone())?;
+        self.events.add_subscriber(Arc::new(Mutex::new(server)));
+        self.api = Some(queue);
+        Ok(())
+    }
+
     /// Starts the vCPUs and runs the event loop on this thread until the VM ends.
     pub fn run(mut self) -> Result<VmExit, VmError> {
         vcpu::install_kick_handler().map_err(|e| VmError::Os {

@@ -342,6 +342,89 @@ fn request(sock: &Path, req: serde_json::Value) -> serde_json::Value {
     reply
 }
 
+/// A VMM waiting for its restore (`--wait-restore`) runs under the `restore` filter from the
+/// moment its socket is bound: the hook kills it there; without the hook it answers `ping`,
+/// restores a snapshot under that filter (every thread then also under its own) and runs it.
+#[test]
+fn a_waiting_vmm_restores_under_the_restore_filter() {
+    if !kvm_available() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "no usable /dev/kvm on this CI host"
+        );
+        eprintln!("skipped: no usable /dev/kvm");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name);
+    std::fs::write(p("counter.elf"), elf_with_code(COUNTER)).unwrap();
+    let snap = p("snap");
+    let mut vmm = Running::start(
+        &[
+            "--kernel".as_ref(),
+            p("counter.elf").as_os_str(),
+            "--mem-mib".as_ref(),
+            "64".as_ref(),
+            "--api-sock".as_ref(),
+            p("a.sock").as_os_str(),
+            "--report".as_ref(),
+            p("r1.jsonl").as_os_str(),
+        ],
+        None,
+    );
+    wait_for_events(&mut vmm, &p("r1.jsonl"), "boot_marker", 2);
+    request(
+        &p("a.sock"),
+        serde_json::json!({"op": "snapshot", "dir": snap, "kind": "full", "after": "exit"}),
+    );
+    assert!(vmm.wait().success());
+
+    // The hook fires right after the restore filter is installed.
+    let wait_args = |sock: &str, report: &str| -> Vec<std::ffi::OsString> {
+        vec![
+            "--wait-restore".into(),
+            "--api-sock".into(),
+            p(sock).into_os_string(),
+            "--report".into(),
+            p(report).into_os_string(),
+        ]
+    };
+    let args = wait_args("h.sock", "h.jsonl");
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+    let mut hooked = Running::start(&args, Some("restore"));
+    let s = hooked.wait();
+    assert_eq!(s.signal(), Some(libc::SIGSYS), "{s:?}");
+
+    let args = wait_args("w.sock", "w.jsonl");
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+    let mut vmm = Running::start(&args, None);
+    let t = std::time::Duration::from_secs(30);
+    let deadline = std::time::Instant::now() + t;
+    let ping = loop {
+        match ember_vmm::pooled::call(&p("w.sock"), &ember_vmm::pooled::WaitRequest::Ping, t) {
+            Ok(r) => break r,
+            Err(e) => {
+                assert!(std::time::Instant::now() < deadline, "{e}");
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
+    };
+    assert_eq!(ping["waiting"], true);
+    let restore = ember_vmm::pooled::WaitRequest::Restore(ember_vmm::pooled::RestoreRequest {
+        dir: snap.clone(),
+        ..Default::default()
+    });
+    let reply = ember_vmm::pooled::call(&p("w.sock"), &restore, t).unwrap();
+    assert_eq!(reply["ok"], true, "{reply}");
+    // It runs the guest, and the same socket now takes the running VM's requests.
+    let ticks = report_events(&p("w.jsonl"), "boot_marker");
+    wait_for_events(&mut vmm, &p("w.jsonl"), "boot_marker", ticks + 2);
+    request(&p("w.sock"), serde_json::json!({"op": "stats"}));
+    request(&p("w.sock"), serde_json::json!({"op": "shutdown"}));
+    let s = vmm.wait();
+    assert!(s.success(), "{s:?} (signal {:?})", s.signal());
+}
+
 #[test]
 fn control_requests_snapshots_and_restores_run_under_the_filters() {
     if !kvm_available() {
@@ -873,6 +956,43 @@ mod ioctls {
     ioctl_ior_nr!(KVM_GET_PIT2, KVMIO, 0x9f, kvm_pit_state2);
     ioctl_ior_nr!(KVM_GET_CLOCK, KVMIO, 0x7c, kvm_clock_data);
     ioctl_iow_nr!(KVM_GET_DIRTY_LOG, KVMIO, 0x42, kvm_dirty_log);
+    // The restore (`restore.json`).
+    ioctl_io_nr!(KVM_CREATE_VM, KVMIO, 0x01);
+    ioctl_io_nr!(KVM_CHECK_EXTENSION, KVMIO, 0x03);
+    ioctl_io_nr!(KVM_GET_VCPU_MMAP_SIZE, KVMIO, 0x04);
+    ioctl_iowr_nr!(KVM_GET_MSR_INDEX_LIST, KVMIO, 0x02, kvm_msr_list);
+    ioctl_iowr_nr!(KVM_GET_SUPPORTED_CPUID, KVMIO, 0x05, kvm_cpuid2);
+    ioctl_iow_nr!(
+        KVM_SET_USER_MEMORY_REGION,
+        KVMIO,
+        0x46,
+        kvm_userspace_memory_region
+    );
+    ioctl_iow_nr!(KVM_IRQFD, KVMIO, 0x76, kvm_irqfd);
+    ioctl_iow_nr!(KVM_SET_CLOCK, KVMIO, 0x7b, kvm_clock_data);
+    ioctl_iow_nr!(KVM_CREATE_PIT2, KVMIO, 0x77, kvm_pit_config);
+    ioctl_iow_nr!(KVM_IOEVENTFD, KVMIO, 0x79, kvm_ioeventfd);
+    ioctl_iow_nr!(KVM_SET_PIT2, KVMIO, 0xa0, kvm_pit_state2);
+    ioctl_ior_nr!(KVM_SET_IRQCHIP, KVMIO, 0x63, kvm_irqchip);
+    ioctl_io_nr!(KVM_CREATE_VCPU, KVMIO, 0x41);
+    ioctl_io_nr!(KVM_SET_TSS_ADDR, KVMIO, 0x47);
+    ioctl_io_nr!(KVM_CREATE_IRQCHIP, KVMIO, 0x60);
+    ioctl_iow_nr!(KVM_SET_MP_STATE, KVMIO, 0x99, kvm_mp_state);
+    ioctl_iow_nr!(KVM_SET_MSRS, KVMIO, 0x89, kvm_msrs);
+    ioctl_iow_nr!(KVM_SET_CPUID2, KVMIO, 0x90, kvm_cpuid2);
+    ioctl_iow_nr!(KVM_SET_VCPU_EVENTS, KVMIO, 0xa0, kvm_vcpu_events);
+    ioctl_iow_nr!(KVM_SET_DEBUGREGS, KVMIO, 0xa2, kvm_debugregs);
+    ioctl_iow_nr!(KVM_SET_REGS, KVMIO, 0x82, kvm_regs);
+    ioctl_iow_nr!(KVM_SET_SREGS, KVMIO, 0x84, kvm_sregs);
+    ioctl_iow_nr!(KVM_SET_XCRS, KVMIO, 0xa7, kvm_xcrs);
+    ioctl_iow_nr!(KVM_SET_LAPIC, KVMIO, 0x8f, kvm_lapic_state);
+    ioctl_iow_nr!(KVM_SET_XSAVE, KVMIO, 0xa5, kvm_xsave);
+    ioctl_iow_nr!(KVM_SET_FPU, KVMIO, 0x8d, kvm_fpu);
+    const TUNIO: std::os::raw::c_uint = b'T' as _;
+    ioctl_iow_nr!(TUNSETIFF, TUNIO, 202, std::os::raw::c_int);
+    ioctl_ior_nr!(TUNGETIFF, TUNIO, 210, std::os::raw::c_uint);
+    ioctl_iow_nr!(TUNSETVNETHDRSZ, TUNIO, 216, std::os::raw::c_int);
+    ioctl_iow_nr!(TUNSETVNETLE, TUNIO, 220, std::os::raw::c_int);
 }
 
 /// The value of a constant named in a rule's comment. (The casts are needed where libc's
@@ -895,6 +1015,42 @@ fn constant(name: &str) -> Option<u64> {
         "KVM_GET_PIT2" => KVM_GET_PIT2(),
         "KVM_GET_CLOCK" => KVM_GET_CLOCK(),
         "KVM_GET_DIRTY_LOG" => KVM_GET_DIRTY_LOG(),
+        "KVM_CREATE_VM" => KVM_CREATE_VM(),
+        "KVM_CHECK_EXTENSION" => KVM_CHECK_EXTENSION(),
+        "KVM_GET_VCPU_MMAP_SIZE" => KVM_GET_VCPU_MMAP_SIZE(),
+        "KVM_GET_MSR_INDEX_LIST" => KVM_GET_MSR_INDEX_LIST(),
+        "KVM_GET_SUPPORTED_CPUID" => KVM_GET_SUPPORTED_CPUID(),
+        "KVM_SET_USER_MEMORY_REGION" => KVM_SET_USER_MEMORY_REGION(),
+        "KVM_IRQFD" => KVM_IRQFD(),
+        "KVM_SET_CLOCK" => KVM_SET_CLOCK(),
+        "KVM_CREATE_PIT2" => KVM_CREATE_PIT2(),
+        "KVM_IOEVENTFD" => KVM_IOEVENTFD(),
+        "KVM_SET_PIT2" => KVM_SET_PIT2(),
+        "KVM_SET_IRQCHIP" => KVM_SET_IRQCHIP(),
+        "KVM_CREATE_VCPU" => KVM_CREATE_VCPU(),
+        "KVM_SET_TSS_ADDR" => KVM_SET_TSS_ADDR(),
+        "KVM_CREATE_IRQCHIP" => KVM_CREATE_IRQCHIP(),
+        "KVM_SET_MP_STATE" => KVM_SET_MP_STATE(),
+        "KVM_SET_MSRS" => KVM_SET_MSRS(),
+        "KVM_SET_CPUID2" => KVM_SET_CPUID2(),
+        "KVM_SET_VCPU_EVENTS" => KVM_SET_VCPU_EVENTS(),
+        "KVM_SET_DEBUGREGS" => KVM_SET_DEBUGREGS(),
+        "KVM_SET_REGS" => KVM_SET_REGS(),
+        "KVM_SET_SREGS" => KVM_SET_SREGS(),
+        "KVM_SET_XCRS" => KVM_SET_XCRS(),
+        "KVM_SET_LAPIC" => KVM_SET_LAPIC(),
+        "KVM_SET_XSAVE" => KVM_SET_XSAVE(),
+        "KVM_SET_FPU" => KVM_SET_FPU(),
+        "TUNSETIFF" => TUNSETIFF(),
+        "TUNGETIFF" => TUNGETIFF(),
+        "TUNSETVNETHDRSZ" => TUNSETVNETHDRSZ(),
+        "TUNSETVNETLE" => TUNSETVNETLE(),
+        "SIOCGIFINDEX" => libc::SIOCGIFINDEX as u64,
+        "PR_SET_NAME" => libc::PR_SET_NAME as u64,
+        "PR_SET_NO_NEW_PRIVS" => libc::PR_SET_NO_NEW_PRIVS as u64,
+        "SECCOMP_SET_MODE_FILTER" => libc::SECCOMP_SET_MODE_FILTER as u64,
+        "SO_RCVTIMEO_OLD" => 20,
+        "SO_RCVTIMEO_NEW" => 66,
         "FIONBIO" => libc::FIONBIO as u64,
         "TUNSETOFFLOAD" => libc::TUNSETOFFLOAD as u64,
         "F_GETFD" => libc::F_GETFD as u64,
@@ -948,6 +1104,60 @@ fn prefetch_filter_allows_populating_memory_and_nothing_else() {
         "tgkill_kick",
     ] {
         assert_refused("prefetch", action);
+    }
+}
+
+#[test]
+fn restore_filter_allows_building_a_vm_and_refuses_the_rest() {
+    for action in [
+        "ioctl_kvm_create_vm",
+        "mmap_file",
+        "mmap_anon",
+        "socket_unix",
+        "openat",
+    ] {
+        assert_allowed("restore", action);
+    }
+    for action in [
+        "execve",
+        "socket_inet",
+        "mmap_exec",
+        "mprotect_exec",
+        "ioctl_tiocsti",
+    ] {
+        assert_refused("restore", action);
+    }
+}
+
+/// A waiting VMM's filter stays under every thread of the VM it restores: it must allow all
+/// that their own lists allow (a rule of theirs is in it as is, or its syscall is allowed
+/// unconditionally).
+#[test]
+fn restore_filter_covers_every_thread_of_the_restored_vm() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("seccomp");
+    let rules = |kind: &str| -> Vec<serde_json::Value> {
+        let json: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join(format!("{kind}.json"))).unwrap(),
+        )
+        .unwrap();
+        json[kind]["filter"].as_array().unwrap().clone()
+    };
+    let restore = rules("restore");
+    let allowed = |syscall: &str, args: &serde_json::Value| {
+        restore.iter().any(|r| {
+            r["syscall"] == syscall
+                && (r.get("args").is_none() || (args.is_array() && r["args"] == *args))
+        })
+    };
+    for kind in ["main", "vcpu", "prefetch"] {
+        for rule in rules(kind) {
+            let syscall = rule["syscall"].as_str().unwrap();
+            let args = rule.get("args").cloned().unwrap_or(serde_json::Value::Null);
+            assert!(
+                allowed(syscall, &args),
+                "restore.json does not allow {kind}.json's {rule}"
+            );
+        }
     }
 }
 

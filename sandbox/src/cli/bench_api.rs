@@ -208,11 +208,18 @@ impl Local {
     /// Opens a runtime on a temporary home and serves it on a free loopback port; returns
     /// the server's address and token.
     pub(crate) fn start() -> Result<(Local, SocketAddr, String)> {
-        Local::start_with(|_| {})
+        Self::start_with(ember_sandbox::pool::PoolSettings::default())
+    }
+
+    /// [`Local::start`] with a warm pool of `pool` (`ember bench pool`).
+    pub(crate) fn start_with(
+        pool: ember_sandbox::pool::PoolSettings,
+    ) -> Result<(Local, SocketAddr, String)> {
+        Self::start_tuned(move |cfg| cfg.pool = pool)
     }
 
     /// [`Local::start`] with the runtime's settings adjusted by `adjust` first.
-    pub(crate) fn start_with(
+    pub(crate) fn start_tuned(
         adjust: impl FnOnce(&mut RuntimeConfig),
     ) -> Result<(Local, SocketAddr, String)> {
         let tmp = std::env::temp_dir();

@@ -343,7 +343,7 @@ fn run(a: &BenchDensityArgs) -> Result<()> {
         v
     };
     let big = a.n.saturating_mul(if a.until_failure { 10 } else { 1 });
-    let (local, addr, token) = Local::start_with(|cfg| {
+    let (local, addr, token) = Local::start_tuned(|cfg| {
         cfg.max_running = big.max(cfg.max_running);
         cfg.max_committed_memory_mib = u64::MAX / 2;
         cfg.uid_count = cfg.uid_count.max(u32::try_from(big).unwrap_or(u32::MAX));

@@ -4,6 +4,7 @@
 pub mod bench_all;
 pub mod bench_api;
 pub mod bench_density;
+pub mod bench_pool;
 pub mod bench_sandbox;
 pub mod remote;
 pub mod render;

@@ -46,6 +46,17 @@ pub struct ServeArgs {
     /// binary's size in private memory).
     #[arg(long)]
     pub private_vmm_copies: bool,
+    /// Warm pool: jailed VMMs kept waiting per template, so that a create pays only for the
+    /// restore (0: off). The pool grows with the create rate up to --pool-max.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub pool: usize,
+    /// Most warm VMMs per template, whatever the create rate.
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    pub pool_max: usize,
+    /// Templates whose pool is filled at start (repeatable; others get one at their first
+    /// create).
+    #[arg(long = "pool-template", value_name = "NAME", default_values_t = vec!["default".to_string()])]
+    pub pool_templates: Vec<String>,
     /// After SIGINT/SIGTERM, how long open streams may go on, seconds.
     #[arg(long, value_name = "SECS", default_value_t = 10)]
     pub shutdown_grace: u64,
@@ -179,6 +190,9 @@ pub fn main(a: ServeArgs) -> ExitCode {
     cfg.kill_on_drop = false;
     cfg.share_vmm_binary = !a.private_vmm_copies;
     raise_open_file_limit();
+    cfg.pool.size = a.pool;
+    cfg.pool.max = a.pool_max.max(a.pool);
+    cfg.pool_templates = a.pool_templates.clone();
     cfg.network.uplink = a.uplink.clone();
     match ember_sandbox::netpolicy::Cidr4::parse(&a.net_pool) {
         Ok(p) => cfg.network.pool = p,

@@ -67,6 +67,11 @@ pub struct RuntimeConfig {
     pub share_vmm_binary: bool,
     /// Sandbox networking (uplink, address pool, upstream resolver).
     pub network: crate::netpolicy::NetOptions,
+    /// The warm pool of jailed VMMs waiting for their restore (`ember serve --pool N`):
+    /// `size` per template (0, the default, turns it off; see [`crate::pool`]).
+    pub pool: crate::pool::PoolSettings,
+    /// Templates whose pool is filled from the start (others get one at their first create).
+    pub pool_templates: Vec<String>,
 }
 
 fn host_ram_mib() -> u64 {
@@ -111,6 +116,8 @@ impl RuntimeConfig {
             kill_on_drop: false,
             share_vmm_binary: true,
             network: crate::netpolicy::NetOptions::default(),
+            pool: crate::pool::PoolSettings::default(),
+            pool_templates: vec!["default".to_string()],
         }
     }
 

@@ -32,6 +32,8 @@ pub struct Live {
     pub disks: Vec<SnapshotDisk>,
     /// Its network namespace, when its snapshot has a network device.
     pub net: Option<Arc<crate::netpolicy::SandboxNet>>,
+    /// It came from the warm pool (a VMM started ahead, told to restore at create).
+    pub pooled: bool,
 }
 
 impl Live {
@@ -247,6 +249,7 @@ pub fn start(
             jail: launch.config,
             disks: spec.disks.to_vec(),
             net: spec.net.clone(),
+            pooled: false,
         }),
         Err(e) => {
             // Sandbox::launch killed what it started; the jail remains.
@@ -299,6 +302,7 @@ pub fn adopt(
         jail,
         disks,
         net: None,
+        pooled: false,
     })
 }
 

@@ -11,6 +11,7 @@ use ember_jailer::CgroupLimits;
 use super::jailed::{self, Live, StartSpec};
 use super::types::*;
 use super::{lock, Runtime, RuntimeError, Slot, SlotState};
+use crate::netpolicy::NetMode;
 use crate::store::{now_ms, rfc3339, SandboxRow};
 use crate::template::Template;
 
@@ -120,8 +121,15 @@ impl Runtime {
             "timeout_secs": req.timeout_secs, "on_timeout": req.on_timeout,
             "metadata": req.metadata, "env_keys": req.env.keys().collect::<Vec<_>>(),
         });
+        let mono0 = ember_vmm::report::monotonic_ns();
         let result = self.create_inner(req, None);
         let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let mut args = args;
+        if let Ok(info) = &result {
+            if let Some(start) = self.start_info(&info.id, mono0) {
+                args["vmm"] = start;
+            }
+        }
         {
             let mut m = lock(&self.inner.metrics);
             match &result {
@@ -303,6 +311,10 @@ impl Runtime {
             lock(&self.inner.slots).remove(&id);
             return Err(e.into());
         }
+        if let (None, Some(t), None) = (fork, &src.template, &src.snapshot) {
+            // A template in use gets a warm pool (no-op when the pool is off).
+            self.inner.pool.register(t, &src.dir);
+        }
         let restore_dir = fork.map(|(_, d)| d.to_path_buf()).unwrap_or(src.dir);
         self.start_vm(&slot, &restore_dir, "created")?;
         self.wake_timer();
@@ -311,33 +323,37 @@ impl Runtime {
     }
 
     /// Starts the slot's VM from `dir` (state Creating or Resuming) and moves it to Running,
-    /// or to Failed (create) / back to Paused (resume) with the reason.
+    /// or to Failed (create) / back to Paused (resume) with the reason. A create takes a warm
+    /// VMM from the template's pool when one is ready (and fits its limits), else spawns one.
     fn start_vm(&self, slot: &Arc<Slot>, dir: &Path, what: &str) -> Result<(), RuntimeError> {
         let cfg = &self.inner.cfg;
         let (row, from) = {
             let st = lock(&slot.st);
             (st.row.clone(), st.row.state)
         };
-        let uid = self.alloc_uid()?;
-        let jail_id = format!("{}-{}", row.id, &crate::paths::random_id()[..6]);
-        // A template's snapshot (taken on the host) holds host paths; the snapshots the
-        // runtime writes carry them in `ember-disks.json`.
-        let started = jailed::snapshot_disks(dir).and_then(|disks| {
-            let net = self.setup_net(dir, &jail_id, uid, &row.network.policy)?;
-            let spec = StartSpec {
-                id: &row.id,
-                jail_id: &jail_id,
-                uid,
-                snapshot: dir,
-                disks: &disks,
-                limits: self.limits(&row.resources),
-                net: net.clone(),
-            };
-            jailed::start(cfg, &self.inner.bins, &spec).inspect_err(|_| {
-                if let Some(n) = &net {
-                    self.inner.net.teardown(n);
-                }
+        let t0 = Instant::now();
+        let limits = self.limits(&row.resources);
+        // A policy other than `none` needs the template's network device.
+        let none = row.network.policy.mode == NetMode::None;
+        let warm = (from == State::Creating)
+            .then(|| {
+                self.inner
+                    .pool
+                    .claim(dir, |w| w.limits == limits && (none || w.net.is_some()))
             })
+            .flatten();
+        let pooled = warm.is_some();
+        let started = match warm {
+            Some(w) => self.start_pooled(w, &row, t0),
+            None => self.start_fresh(dir, &row),
+        };
+        let (uid, jail_id, started) = match started {
+            Ok((uid, live)) => (Some(uid), live.jail.id.clone(), Ok(live)),
+            Err((e, uid)) => (uid, String::new(), Err(e)),
+        };
+        let started = started.map(|mut live| {
+            live.pooled = pooled;
+            live
         });
         let mut st = lock(&slot.st);
         match started {
@@ -352,7 +368,7 @@ impl Runtime {
                         tracing::error!("{e}");
                     }
                 }
-                st.row.uid = Some(uid);
+                st.row.uid = uid;
                 st.row.jail_id = Some(jail_id);
                 st.row.pid = pid;
                 st.row.start_ms = Some(ms);
@@ -362,7 +378,7 @@ impl Runtime {
                 Ok(())
             }
             Err(e) => {
-                self.free_uid(Some(uid));
+                self.free_uid(uid);
                 st.row.uid = None;
                 st.row.jail_id = None;
                 if from == State::Resuming {
@@ -381,6 +397,119 @@ impl Runtime {
                 Err(e)
             }
         }
+    }
+
+    /// A fresh jailed VMM for the slot: uid, namespace, jail, spawn (the path without a pool).
+    fn start_fresh(
+        &self,
+        dir: &Path,
+        row: &SandboxRow,
+    ) -> Result<(u32, Live), (RuntimeError, Option<u32>)> {
+        let uid = self.alloc_uid().map_err(|e| (e, None))?;
+        let jail_id = format!("{}-{}", row.id, &crate::paths::random_id()[..6]);
+        // A template's snapshot (taken on the host) holds host paths; the snapshots the
+        // runtime writes carry them in `ember-disks.json`.
+        jailed::snapshot_disks(dir)
+            .and_then(|disks| {
+                let net = self.setup_net(dir, &jail_id, uid, &row.network.policy)?;
+                let spec = StartSpec {
+                    id: &row.id,
+                    jail_id: &jail_id,
+                    uid,
+                    snapshot: dir,
+                    disks: &disks,
+                    limits: self.limits(&row.resources),
+                    net: net.clone(),
+                };
+                jailed::start(&self.inner.cfg, &self.inner.bins, &spec).inspect_err(|_| {
+                    if let Some(n) = &net {
+                        self.inner.net.teardown(n);
+                    }
+                })
+            })
+            .map(|live| (uid, live))
+            .map_err(|e| (e, Some(uid)))
+    }
+
+    /// The slot's VM from a warm pool member: the sandbox's network policy replaces the
+    /// member's `none`, then the member restores.
+    fn start_pooled(
+        &self,
+        w: super::pooled::WarmVmm,
+        row: &SandboxRow,
+        t0: Instant,
+    ) -> Result<(u32, Live), (RuntimeError, Option<u32>)> {
+        let uid = w.uid;
+        if let Some(net) = &w.net {
+            if row.network.policy.mode != NetMode::None {
+                if let Err(e) = self.inner.net.update(net, &row.network.policy) {
+                    let net = net.clone();
+                    // Back to the pool's filler for release: simplest is to claim-and-fail.
+                    let err = match e {
+                        crate::netpolicy::NetError::NoUplink
+                        | crate::netpolicy::NetError::Config(_) => {
+                            RuntimeError::Invalid(e.to_string())
+                        }
+                        e => RuntimeError::Internal(e.to_string()),
+                    };
+                    let _ = net;
+                    // Its uid and namespace go with it.
+                    self.inner.pool.discard(w);
+                    return Err((err, None));
+                }
+            }
+        }
+        let state = self.inner.cfg.sandbox_dir(&row.id);
+        w.claim(&row.id, &state, t0, self.inner.cfg.connect_timeout)
+            .map(|live| (uid, live))
+            .map_err(|(e, uid, net)| {
+                if let Some(n) = &net {
+                    self.inner.net.teardown(n);
+                }
+                (e, Some(uid))
+            })
+    }
+
+    /// How a sandbox's VMM started (pool or fresh) and, from its report, how long after
+    /// `mono0` (the create request) its first vCPU entered KVM_RUN.
+    fn start_info(&self, id: &str, mono0: u64) -> Option<serde_json::Value> {
+        let slot = lock(&self.inner.slots).get(id).cloned()?;
+        let vm = lock(&slot.st).vm.clone()?;
+        let report = std::fs::read_to_string(vm.host_path("/work/report.jsonl")).ok()?;
+        let mut first_run = None;
+        let mut restore_ms = None;
+        // When the VMM began the restore: its process start (fresh) or the restore
+        // request (pool).
+        let mut began = None;
+        let mut vcpus_started = None;
+        let mut steps = serde_json::Value::Null;
+        for line in report.lines() {
+            let Ok(ev) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            match ev["event"].as_str() {
+                Some("vcpu_first_run") if first_run.is_none() => first_run = ev["mono_ns"].as_u64(),
+                Some("built") => restore_ms = ev["ms_since_start"].as_f64(),
+                // A pooled VMM restored ahead: its critical path begins at `start`.
+                Some("start") | Some("restore_request") | Some("start_request") => {
+                    began = ev["mono_ns"].as_u64()
+                }
+                Some("vcpus_started") => vcpus_started = ev["mono_ns"].as_u64(),
+                Some("restore_steps") => steps = ev["ms"].clone(),
+                _ => {}
+            }
+        }
+        let to_first_run_ms = first_run.map(|ns| ns.saturating_sub(mono0) as f64 / 1e6);
+        Some(serde_json::json!({
+            "path": if vm.pooled { "pool" } else { "fresh" },
+            "to_first_run_ms": to_first_run_ms,
+            "first_run_mono_ns": first_run,
+            "vmm_began_mono_ns": began,
+            "vcpus_started_mono_ns": vcpus_started,
+            "restore_steps_ms": steps,
+            "restore_ms": restore_ms,
+            "synced_ms": vm.sandbox.timings().synced_ms,
+        }))
     }
 
     /// Called by the watcher when a VMM exited.

@@ -23,6 +23,7 @@ pub mod types;
 mod calls;
 mod lifecycle;
 mod network;
+pub mod pooled;
 mod usage;
 
 use std::collections::{BTreeSet, HashMap};
@@ -52,12 +53,14 @@ struct Inner {
     slots: Mutex<HashMap<String, Arc<Slot>>>,
     /// Held across a capacity check and the reservation it allows.
     capacity: Mutex<()>,
-    uids: Mutex<BTreeSet<u32>>,
+    uids: Arc<Mutex<BTreeSet<u32>>>,
     metrics: Mutex<Metrics>,
     watcher: Mutex<Option<Arc<Watcher>>>,
     timer: Arc<(Mutex<bool>, Condvar)>,
     /// Sandboxes' network namespaces, rules and resolvers.
-    net: crate::netpolicy::NetManager,
+    net: Arc<crate::netpolicy::NetManager>,
+    /// Warm jailed VMMs per template, waiting for their restore.
+    pool: crate::pool::Pool<pooled::VmmFiller>,
 }
 
 /// One sandbox with a VMM or a pause snapshot.
@@ -117,8 +120,23 @@ impl Runtime {
         }
         let bins = Binaries::find(&cfg)?;
         let store = Store::open(&cfg.db_path())?;
-        let net = crate::netpolicy::NetManager::new(&cfg.home, cfg.network.clone())
-            .map_err(|e| RuntimeError::Internal(e.to_string()))?;
+        let net = Arc::new(
+            crate::netpolicy::NetManager::new(&cfg.home, cfg.network.clone())
+                .map_err(|e| RuntimeError::Internal(e.to_string()))?,
+        );
+        // Members a previous server left are reclaimed with the other orphaned jails.
+        let pool_dir = pooled::VmmFiller::pool_dir(&cfg);
+        let _ = std::fs::remove_dir_all(&pool_dir);
+        let uids = Arc::new(Mutex::new(BTreeSet::new()));
+        let pool = crate::pool::Pool::new(
+            pooled::VmmFiller {
+                cfg: cfg.clone(),
+                bins: bins.clone(),
+                uids: uids.clone(),
+                net: net.clone(),
+            },
+            cfg.pool,
+        );
         let rt = Runtime {
             inner: Arc::new(Inner {
                 cfg,
@@ -126,11 +144,12 @@ impl Runtime {
                 store: Mutex::new(store),
                 slots: Mutex::new(HashMap::new()),
                 capacity: Mutex::new(()),
-                uids: Mutex::new(BTreeSet::new()),
+                uids,
                 metrics: Mutex::new(Metrics::default()),
                 watcher: Mutex::new(None),
                 timer: Arc::new((Mutex::new(false), Condvar::new())),
                 net,
+                pool,
             }),
         };
         let weak = Arc::downgrade(&rt.inner);
@@ -142,7 +161,25 @@ impl Runtime {
         *lock(&rt.inner.watcher) = Some(watcher);
         rt.reclaim()?;
         rt.start_timer()?;
+        if rt.inner.pool.enabled() {
+            for name in &rt.inner.cfg.pool_templates {
+                match crate::template::Template::open(name) {
+                    Ok(t) => rt.inner.pool.register(&t.info.name, &t.snapshot_dir()),
+                    Err(e) => tracing::warn!("no warm pool for template {name}: {e}"),
+                }
+            }
+        }
         Ok(rt)
+    }
+
+    /// The warm pools' counters (empty when the pool is off).
+    pub fn pool_stats(&self) -> Vec<crate::pool::PoolStats> {
+        self.inner.pool.stats()
+    }
+
+    /// Waits until every registered template's pool has `n` ready VMMs (false on timeout).
+    pub fn pool_wait_ready(&self, n: usize, timeout: Duration) -> bool {
+        self.inner.pool.wait_ready(n, timeout)
     }
 
     /// The settings.
@@ -412,13 +449,8 @@ impl Runtime {
     }
 
     fn alloc_uid(&self) -> Result<u32, RuntimeError> {
-        let cfg = &self.inner.cfg;
-        let mut uids = lock(&self.inner.uids);
-        let uid = (cfg.uid_base..cfg.uid_base + cfg.uid_count)
-            .find(|u| !uids.contains(u))
-            .ok_or_else(|| RuntimeError::Capacity("no free jail uid".into()))?;
-        uids.insert(uid);
-        Ok(uid)
+        pooled::alloc_uid(&self.inner.cfg, &self.inner.uids)
+            .ok_or_else(|| RuntimeError::Capacity("no free jail uid".into()))
     }
 
     fn free_uid(&self, uid: Option<u32>) {
@@ -436,6 +468,8 @@ impl Runtime {
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        // Warm VMMs belong to no sandbox: they always go.
+        self.pool.drain();
         if !self.cfg.kill_on_drop {
             // The VMMs live on (a stopped server); the next runtime re-attaches them.
             for slot in lock(&self.slots).values() {

@@ -15,6 +15,12 @@
 //! - **the log writer** ([`ThreadKind::Log`], with `--log-file`: writes queued log lines into
 //!   the capped log file, see [`crate::logging`]) first thing in the thread. It is started
 //!   before the VM is built, so it inherits no other filter.
+//! - **a VMM waiting for its restore** (`--wait-restore`, [`ThreadKind::Restore`], see
+//!   [`crate::pooled`]) on its main thread once the control socket is bound, before the first
+//!   request is read. Every thread of the VM it then restores inherits it under its own
+//!   filter, so it allows what restoring needs (opening and mapping the snapshot, creating
+//!   the VM, vCPUs, devices and their threads) and everything the other lists allow; each
+//!   thread is then bound by its own list as usual.
 //!
 //! A syscall outside the list kills the whole process (`SECCOMP_RET_KILL_PROCESS`, the VMM
 //! dies by `SIGSYS`) in [`SeccompMode::Kill`]. [`SeccompMode::Log`] lets it through and has
@@ -29,7 +35,7 @@
 //! # Test hook
 //! With `EMBER_VMM_TEST_FORBIDDEN_SYSCALL=1` (or `main`) in the environment when [`set_mode`]
 //! runs, [`install_configured`] makes a syscall that no list allows right after installing the
-//! main thread's filter; with `vcpu`, `prefetch` or `log`, right after that thread's. The tests
+//! main thread's filter; with `vcpu`, `prefetch`, `log` or `restore`, right after that thread's. The tests
 //! use it to check that the filters are really in force (the VMM dies by `SIGSYS` in `kill`
 //! mode and goes on in `log` and `off` modes). The syscall is `personality(0xffffffff)`, which only
 //! reads the execution domain, so the variable is harmless in production: without a filter
@@ -61,15 +67,19 @@ pub enum ThreadKind {
     /// The thread that writes the VMM's log into its file (`--log-file`): `write`, and
     /// `ftruncate` + `renameat2(RENAME_EXCHANGE)` to rotate it.
     Log,
+    /// The main thread of a VMM waiting for its restore request (`--wait-restore`): the
+    /// restore itself, and (inherited) what every thread of the restored VM does.
+    Restore,
 }
 
 impl ThreadKind {
     /// Every kind.
-    pub const ALL: [ThreadKind; 4] = [
+    pub const ALL: [ThreadKind; 5] = [
         ThreadKind::Main,
         ThreadKind::Vcpu,
         ThreadKind::Prefetch,
         ThreadKind::Log,
+        ThreadKind::Restore,
     ];
 
     /// The name of its filter (and of its JSON file under `vmm/seccomp/`).
@@ -79,6 +89,7 @@ impl ThreadKind {
             ThreadKind::Vcpu => "vcpu",
             ThreadKind::Prefetch => "prefetch",
             ThreadKind::Log => "log",
+            ThreadKind::Restore => "restore",
         }
     }
 
@@ -99,6 +110,8 @@ impl ThreadKind {
             (ThreadKind::Prefetch, SeccompMode::Log) => bpf!("prefetch-log"),
             (ThreadKind::Log, SeccompMode::Kill) => bpf!("log-kill"),
             (ThreadKind::Log, SeccompMode::Log) => bpf!("log-log"),
+            (ThreadKind::Restore, SeccompMode::Kill) => bpf!("restore-kill"),
+            (ThreadKind::Restore, SeccompMode::Log) => bpf!("restore-log"),
         })
     }
 }
@@ -231,6 +244,7 @@ pub fn set_mode(mode: SeccompMode) {
         Ok("vcpu") => hook_code(ThreadKind::Vcpu),
         Ok("prefetch") => hook_code(ThreadKind::Prefetch),
         Ok("log") => hook_code(ThreadKind::Log),
+        Ok("restore") => hook_code(ThreadKind::Restore),
         _ => HOOK_NONE,
     };
     HOOK.store(hook, Ordering::SeqCst);
@@ -242,6 +256,7 @@ fn hook_code(kind: ThreadKind) -> u8 {
         ThreadKind::Vcpu => 2,
         ThreadKind::Prefetch => 3,
         ThreadKind::Log => 4,
+        ThreadKind::Restore => 5,
     }
 }
 

@@ -1,0 +1,398 @@
+//! The runtime's warm pool members: VMMs started with `ember-vmm --wait-restore` inside a
+//! full jail (namespaces, `pivot_root`, cgroup with the template's default limits, uid
+//! dropped, the `restore` seccomp filter on) and, for templates with a network device, in
+//! their own network namespace with policy `none` (which refuses everything until the
+//! claiming create applies its own policy). The snapshot's files are bind-mounted into the
+//! jail at fill time, so a pool is per template snapshot ([`crate::pool`]).
+//!
+//! Once the member waits, the filler has it restore the snapshot with its vCPUs held (all the
+//! per-clone overrides are in-jail paths known at fill time: `/work/vsock`,
+//! `/work/disk<i>.overlay`, the TAP in its own namespace), so a claim only sends `start`
+//! ([`ember_vmm::pooled`]) and attaches to it like a fresh launch ([`Sandbox::attach`]): the
+//! create path pays neither the process creation, the jail, cgroup and namespace set-up, nor
+//! the restore itself.
+
+use std::collections::BTreeSet;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ember_jailer::{CgroupLimits, JailConfig};
+use ember_vmm::pooled::{RestoreRequest, WaitRequest};
+
+use super::config::RuntimeConfig;
+use super::error::RuntimeError;
+use super::jailed::{self, Binaries, Live};
+use crate::jail::{self, JailOptions, SnapshotDisk};
+use crate::netpolicy::{NetManager, NetworkPolicy, SandboxNet};
+use crate::sandbox::AdoptPaths;
+use crate::Sandbox;
+
+/// Prefix of pool members' jail ids (and so of their cgroups and namespaces).
+pub const JAIL_PREFIX: &str = "pool";
+
+/// Longest a member may take to come up waiting.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A jailed VMM waiting for its restore.
+#[derive(Debug)]
+pub struct WarmVmm {
+    /// Its jail id.
+    pub jail_id: String,
+    /// The uid it runs as (reserved for it).
+    pub uid: u32,
+    /// Its jail.
+    pub jail: JailConfig,
+    child: Child,
+    pidfd: Option<OwnedFd>,
+    /// Its network namespace (policy `none` until claimed).
+    pub net: Option<Arc<SandboxNet>>,
+    /// The snapshot's disks (host paths).
+    pub disks: Vec<SnapshotDisk>,
+    /// The cgroup limits it was started with.
+    pub limits: CgroupLimits,
+    /// What to send it.
+    pub restore: RestoreRequest,
+    /// Its host-side state directory (launcher log).
+    state: PathBuf,
+    /// When it was ready.
+    pub ready_at: Instant,
+}
+
+/// The limits a create asks for when it names none of its own: what pool members get.
+pub fn default_limits(cfg: &RuntimeConfig, memory_mib: u64) -> CgroupLimits {
+    CgroupLimits {
+        memory_bytes: Some((memory_mib + cfg.vmm_overhead_mib) << 20),
+        cpu_quota_us: cfg.max_cpu_percent.map(|p| u64::from(p) * 1000),
+        cpu_period_us: cfg.max_cpu_percent.map(|_| 100_000),
+        pids_max: Some(cfg.pids_max),
+        ..Default::default()
+    }
+}
+
+/// Takes a free jail uid from `uids`.
+pub(super) fn alloc_uid(cfg: &RuntimeConfig, uids: &Mutex<BTreeSet<u32>>) -> Option<u32> {
+    let mut uids = super::lock(uids);
+    let uid = (cfg.uid_base..cfg.uid_base + cfg.uid_count).find(|u| !uids.contains(u))?;
+    uids.insert(uid);
+    Some(uid)
+}
+
+/// Starts, checks and releases members for [`crate::pool::Pool`].
+#[derive(Debug)]
+pub struct VmmFiller {
+    pub(super) cfg: RuntimeConfig,
+    pub(super) bins: Binaries,
+    pub(super) uids: Arc<Mutex<BTreeSet<u32>>>,
+    pub(super) net: Arc<NetManager>,
+}
+
+impl VmmFiller {
+    /// Where pool members' host-side state lives (emptied at open).
+    pub fn pool_dir(cfg: &RuntimeConfig) -> PathBuf {
+        cfg.home.join("pool")
+    }
+
+    fn start(&self, dir: &Path, uid: u32, jail_id: &str) -> Result<WarmVmm, String> {
+        let cfg = &self.cfg;
+        let state = Self::pool_dir(cfg).join(jail_id);
+        let work = state.join("jail-work");
+        std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
+        let disks = jailed::snapshot_disks(dir).map_err(|e| e.to_string())?;
+        let snap =
+            ember_vmm::snapshot::load_state(dir, &ember_vmm::snapshot::RestoreOptions::default())
+                .map_err(|e| e.to_string())?;
+        let limits = default_limits(cfg, snap.config.mem_mib);
+        let net = if snap.config.net.is_empty() {
+            None
+        } else {
+            Some(
+                self.net
+                    .setup(jail_id, uid, &NetworkPolicy::default())
+                    .map_err(|e| format!("network namespace: {e}"))?,
+            )
+        };
+        let opts = JailOptions {
+            jailer: self.bins.jailer.clone(),
+            uid,
+            gid: uid,
+            chroot_base: cfg.jails_dir(),
+            limits: limits.clone(),
+            new_pid_ns: false,
+            exec_link: self.bins.vmm_link,
+        };
+        let max = cfg.log_max_bytes.to_string();
+        let extra: Vec<String> = [
+            "--api-sock",
+            "/work/api.sock",
+            "--report",
+            "/work/report.jsonl",
+            "--serial",
+            "file:/work/console.log",
+            "--serial-max-bytes",
+            &max,
+            "--log-file",
+            "/work/vmm.log",
+            "--log-max-bytes",
+            &max,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let built =
+            jail::restore_waiting(&opts, jail_id, &self.bins.vmm, dir, &disks, &work, &extra);
+        let (mut launch, restore) = match built {
+            Ok(x) => x,
+            Err(e) => {
+                if let Some(n) = &net {
+                    self.net.teardown(n);
+                }
+                return Err(e.to_string());
+            }
+        };
+        launch.config.cgroup_parent = cfg.cgroup_parent();
+        launch.config.netns = net.as_ref().map(|n| n.path.clone());
+        let log = state.join("launch.log");
+        let spawned = std::fs::File::create(&log)
+            .map_err(|e| format!("{}: {e}", log.display()))
+            .and_then(|stderr| {
+                Command::new(&self.bins.jailer)
+                    .args(launch.config.to_args())
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(stderr)
+                    .spawn()
+                    .map_err(|e| format!("cannot start {}: {e}", self.bins.jailer.display()))
+            });
+        let child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = jailed::release_jail(&launch.config);
+                if let Some(n) = &net {
+                    self.net.teardown(n);
+                }
+                return Err(e);
+            }
+        };
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, child.id() as i32, 0) };
+        // SAFETY: a descriptor the kernel just returned; nothing else owns it.
+        let pidfd = (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) });
+        let mut warm = WarmVmm {
+            jail_id: jail_id.to_string(),
+            uid,
+            jail: launch.config,
+            child,
+            pidfd,
+            net,
+            disks,
+            limits,
+            restore,
+            state,
+            ready_at: Instant::now(),
+        };
+        match self
+            .wait_ready(&mut warm)
+            .and_then(|_| precopy_overlays(&warm, dir, uid))
+            .and_then(|_| restore_held(&warm))
+        {
+            Ok(()) => {
+                warm.ready_at = Instant::now();
+                Ok(warm)
+            }
+            Err(e) => {
+                let detail = std::fs::read_to_string(&log).unwrap_or_default();
+                self.release(warm, false);
+                Err(format!("{e} ({})", detail.trim()))
+            }
+        }
+    }
+
+    /// Waits until the member answers `ping` on its control socket.
+    fn wait_ready(&self, w: &mut WarmVmm) -> Result<(), String> {
+        let sock = w.api_host();
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let mut backoff = Duration::from_millis(1);
+        loop {
+            if let Ok(Some(status)) = w.child.try_wait() {
+                return Err(format!("the waiting VMM exited ({status})"));
+            }
+            if sock.exists() {
+                if let Ok(r) = ember_vmm::pooled::call(&sock, &WaitRequest::Ping, READY_TIMEOUT) {
+                    if r["waiting"] == true {
+                        return Ok(());
+                    }
+                }
+            }
+            if Instant::now() > deadline {
+                return Err("the waiting VMM did not answer in time".into());
+            }
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills a member and releases its jail, namespace, uid and files. `claimed`: its
+    /// namespace is torn down by the sandbox that claimed it, not here.
+    fn release(&self, mut w: WarmVmm, claimed: bool) {
+        let _ = w.child.kill();
+        let _ = w.child.wait();
+        if let Err(e) = jailed::release_jail(&w.jail) {
+            tracing::error!("pool: {e}");
+        }
+        if !claimed {
+            if let Some(n) = &w.net {
+                self.net.teardown(n);
+            }
+            super::lock(&self.uids).remove(&w.uid);
+        }
+        let _ = std::fs::remove_dir_all(&w.state);
+    }
+}
+
+/// Copies the snapshot's overlay files to where the restore request puts the clone's own
+/// (`/work/disk<i>.overlay`), owned by the jail's uid: the VMM uses an existing file as is, so
+/// the copy is off the create's critical path.
+fn precopy_overlays(w: &WarmVmm, dir: &Path, uid: u32) -> Result<(), String> {
+    for (i, (disk, path)) in w.disks.iter().zip(&w.restore.disk_paths).enumerate() {
+        let (SnapshotDisk::Overlay { .. }, Some(path)) = (disk, path) else {
+            continue;
+        };
+        let src = dir.join(ember_vmm::snapshot::overlay_file_name(i));
+        let dst = w.jail.host_path(path);
+        ember_vmm::snapshot::sparse_copy(&src, &dst).map_err(|e| e.to_string())?;
+        std::os::unix::fs::chown(&dst, Some(uid), Some(uid))
+            .map_err(|e| format!("chown {}: {e}", dst.display()))?;
+    }
+    Ok(())
+}
+
+/// Has the member restore its snapshot now and hold its vCPUs until the claim's `start`.
+fn restore_held(w: &WarmVmm) -> Result<(), String> {
+    let mut req = w.restore.clone();
+    req.hold = true;
+    match ember_vmm::pooled::call(&w.api_host(), &WaitRequest::Restore(req), READY_TIMEOUT) {
+        Ok(r) if r["ok"] == true && r["held"] == true => Ok(()),
+        Ok(r) => Err(format!(
+            "the waiting VMM refused the restore: {}",
+            r["error"]
+        )),
+        Err(e) => Err(e),
+    }
+}
+
+impl WarmVmm {
+    fn api_host(&self) -> PathBuf {
+        self.jail.host_path(Path::new("/work/api.sock"))
+    }
+
+    /// Restores the snapshot in it and attaches to it as sandbox `id`, whose host directory
+    /// is `state` (its launcher log moves there). On failure the VMM is killed and its jail
+    /// released; the uid and namespace are the caller's to free (returned with the error).
+    pub(super) fn claim(
+        self,
+        id: &str,
+        state: &Path,
+        t0: Instant,
+        connect_timeout: Duration,
+    ) -> Result<Live, (RuntimeError, u32, Option<Arc<SandboxNet>>)> {
+        let WarmVmm {
+            jail_id: _,
+            uid,
+            jail,
+            mut child,
+            pidfd: _,
+            net,
+            disks,
+            limits: _,
+            restore: _,
+            state: pool_state,
+            ready_at: _,
+        } = self;
+        let fail = |child: Option<&mut Child>, jail: &JailConfig, e: String| {
+            if let Some(c) = child {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            let _ = jailed::release_jail(jail);
+            let _ = std::fs::remove_dir_all(&pool_state);
+            (RuntimeError::Internal(e), uid, net.clone())
+        };
+        let sock = jail.host_path(Path::new("/work/api.sock"));
+        let log = state.join("launch.log");
+        if let Err(e) = std::fs::create_dir_all(state)
+            .and_then(|_| std::fs::rename(pool_state.join("launch.log"), &log))
+        {
+            return Err(fail(
+                Some(&mut child),
+                &jail,
+                format!("{}: {e}", state.display()),
+            ));
+        }
+        // The VM is restored and held: starting its vCPUs is all that is left.
+        match ember_vmm::pooled::call(&sock, &WaitRequest::Start, connect_timeout) {
+            Ok(r) if r["ok"] == true => {}
+            Ok(r) => {
+                return Err(fail(
+                    Some(&mut child),
+                    &jail,
+                    format!("the pooled VMM refused to start: {}", r["error"]),
+                ))
+            }
+            Err(e) => return Err(fail(Some(&mut child), &jail, e)),
+        }
+        let paths = AdoptPaths {
+            dir: jail.host_path(Path::new("/work")),
+            uds: jail.host_path(Path::new("/work/vsock")),
+            api: sock.clone(),
+            log,
+        };
+        match Sandbox::attach(id.to_string(), child, paths, t0, connect_timeout) {
+            Ok(sandbox) => {
+                let _ = std::fs::remove_dir_all(&pool_state);
+                Ok(Live {
+                    sandbox,
+                    jail,
+                    disks,
+                    net,
+                    pooled: true,
+                })
+            }
+            // `attach` killed the VMM.
+            Err(e) => Err(fail(None, &jail, e.to_string())),
+        }
+    }
+}
+
+impl crate::pool::Filler for VmmFiller {
+    type Member = WarmVmm;
+
+    fn fill(&self, _template: &str, dir: &Path) -> Result<WarmVmm, String> {
+        let uid = alloc_uid(&self.cfg, &self.uids).ok_or("no free jail uid")?;
+        let rid = crate::paths::random_id();
+        let jail_id = format!("{JAIL_PREFIX}{}-{}", &rid[..12], &rid[12..]);
+        self.start(dir, uid, &jail_id).inspect_err(|_| {
+            super::lock(&self.uids).remove(&uid);
+        })
+    }
+
+    fn alive(&self, m: &WarmVmm) -> bool {
+        let Some(fd) = &m.pidfd else {
+            return true;
+        };
+        let mut fds = [libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        // SAFETY: `fds` is a valid array of one pollfd for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) };
+        !(n > 0 && fds[0].revents & libc::POLLIN != 0)
+    }
+
+    fn discard(&self, m: WarmVmm) {
+        self.release(m, false);
+    }
+}
