@@ -4,6 +4,7 @@
 pub mod bench_all;
 pub mod bench_api;
 pub mod bench_sandbox;
+pub mod browser;
 pub mod remote;
 pub mod render;
 pub mod run;
