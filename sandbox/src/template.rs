@@ -162,7 +162,7 @@ pub struct ServiceSpec {
     /// `root` or `user`.
     #[serde(default = "root")]
     pub user: String,
-    /// A command run in the guest (every half second) until it exits 0: the service is
+    /// A command run in the guest (every 2 s) until it exits 0: the service is
     /// ready. None: ready once started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready: Option<Vec<String>>,
@@ -1077,10 +1077,11 @@ fn start_service<S: ember_agent::client::Transport>(
     loop {
         let check = protocol::ExecRequest {
             argv: ready.clone(),
-            timeout_ms: Some(30_000),
+            // A check that hangs (a busy guest) counts as not ready, and is tried again.
+            timeout_ms: Some(120_000),
             ..Default::default()
         };
-        let last = match exec_once(client, check, Duration::from_secs(60)) {
+        let last = match exec_once(client, check, Duration::from_secs(180)) {
             Ok((Some(0), _)) => {
                 progress(BuildEvent::Step(format!(
                     "service {} ready after {:.1}s",
@@ -1098,7 +1099,8 @@ fn start_service<S: ember_agent::client::Transport>(
                 svc.ready_timeout_s
             ));
         }
-        std::thread::sleep(Duration::from_millis(500));
+        // Not too often: each check is an exec that competes with the service for the guest.
+        std::thread::sleep(Duration::from_secs(2));
     }
 }
 
