@@ -132,9 +132,11 @@ async fn connect(st: &AppState, id: &str) -> Result<TcpStream, Response> {
         .call(move |b| b.connect_port(&id2, CDP_PORT, false))
         .await
     {
-        Ok(s) => {
-            TcpStream::from_std(s).map_err(|e| gateway(StatusCode::BAD_GATEWAY, e.to_string()))
-        }
+        // tokio needs the socket non-blocking (whatever the backend handed over).
+        Ok(s) => s
+            .set_nonblocking(true)
+            .and_then(|()| TcpStream::from_std(s))
+            .map_err(|e| gateway(StatusCode::BAD_GATEWAY, e.to_string())),
         Err(e) if e.status == StatusCode::NOT_FOUND || e.status == StatusCode::CONFLICT => {
             Err(e.into_response())
         }
@@ -607,6 +609,175 @@ mod tests {
         let refused = b"HTTP/1.1 500 Internal\r\nContent-Length: 2\r\n\r\nno";
         assert_eq!(complete_body(refused), None);
         assert_eq!(complete_body(b"HTTP/1.1 200 OK\r\n"), None);
+    }
+
+    /// What the fake DevTools endpoint saw: (Host, Origin) per request.
+    type Seen = std::sync::Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>;
+
+    /// A stand-in for the guest's DevTools endpoint: `/json/version`, `/json/list` and a page
+    /// WebSocket that answers `Page.captureScreenshot` with `png`.
+    fn fake_devtools(png: &'static [u8]) -> (std::net::SocketAddr, Seen) {
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let seen: Seen = Default::default();
+        let seen2 = seen.clone();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { continue };
+                let mut head = [0u8; 4096];
+                let n = s.peek(&mut head).unwrap_or(0);
+                let text = String::from_utf8_lossy(&head[..n]).to_ascii_lowercase();
+                let header = |name: &str| {
+                    text.lines()
+                        .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+                        .map(|v| v.trim().to_string())
+                };
+                seen2
+                    .lock()
+                    .unwrap()
+                    .push((header("host").unwrap_or_default(), header("origin")));
+                if text.contains("upgrade: websocket") {
+                    let mut ws = tokio_tungstenite::tungstenite::accept(s).unwrap();
+                    let msg = ws.read().unwrap();
+                    let v: serde_json::Value =
+                        serde_json::from_str(msg.to_text().unwrap()).unwrap();
+                    assert_eq!(v["method"], "Page.captureScreenshot");
+                    let data = base64::engine::general_purpose::STANDARD.encode(png);
+                    let reply = serde_json::json!({"id": v["id"], "result": {"data": data}});
+                    ws.send(reply.to_string().into()).unwrap();
+                    let _ = ws.read();
+                    continue;
+                }
+                let mut buf = vec![0u8; n];
+                let _ = s.read_exact(&mut buf);
+                let body = if text.starts_with("get /json/version") {
+                    r#"{"Browser": "HeadlessChrome/156", "webSocketDebuggerUrl": "ws://localhost/devtools/browser/B1"}"#
+                } else {
+                    r#"[{"id": "P1", "type": "page", "url": "about:blank",
+                        "devtoolsFrontendUrl": "https://x/?ws=127.0.0.1:9223/devtools/page/P1",
+                        "webSocketDebuggerUrl": "ws://127.0.0.1:9223/devtools/page/P1"}]"#
+                };
+                let _ = write!(
+                    s,
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        (addr, seen)
+    }
+
+    fn get(uri: &str, headers: &[(&str, &str)]) -> axum::http::Request<axum::body::Body> {
+        let mut r = axum::http::Request::builder().method("GET").uri(uri);
+        for (k, v) in headers {
+            r = r.header(*k, *v);
+        }
+        r.body(axum::body::Body::empty()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn routes_rewrite_authorize_and_reach_the_guest_as_localhost() {
+        use super::super::tests::{send, Fake, KNOWN, TOKEN};
+        let fake = std::sync::Arc::new(Fake::default());
+        let (addr, seen) = fake_devtools(b"\x89PNG\r\n\x1a\nfake");
+        *fake.guest.lock().unwrap() = Some(addr);
+        let state = AppState::new(fake.clone(), TOKEN.into());
+        let own = ports::access_token(&state, KNOWN);
+        let app = super::super::router(state);
+        let bearer = format!("Bearer {TOKEN}");
+        let base = format!("/v1/sandboxes/{KNOWN}");
+
+        // No token, a wrong one, the server's, the sandbox's (header or query).
+        for (uri, headers) in [
+            (format!("{base}/cdp"), vec![]),
+            (format!("{base}/cdp?token=nope"), vec![]),
+            (
+                format!("{base}/screenshot"),
+                vec![("x-access-token", "nope")],
+            ),
+            (format!("{base}/view"), vec![]),
+        ] {
+            let (status, _, _) = send(&app, get(&uri, &headers)).await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED, "{uri}");
+        }
+        let (status, _, body) = send(
+            &app,
+            get(
+                &format!("{base}/cdp/json/version/"),
+                &[("authorization", &bearer), ("host", "h.test:7070")],
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            v["webSocketDebuggerUrl"],
+            format!("ws://h.test:7070{base}/cdp/devtools/browser/B1?token={own}")
+        );
+        assert_eq!(v["Browser"], "HeadlessChrome/156");
+        let (status, _, body) = send(
+            &app,
+            get(
+                &format!("{base}/cdp/json/list?token={own}"),
+                &[("host", "h.test:7070")],
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            v[0]["webSocketDebuggerUrl"],
+            format!("ws://h.test:7070{base}/cdp/devtools/page/P1?token={own}")
+        );
+        assert!(v[0].get("devtoolsFrontendUrl").is_none(), "{v}");
+
+        // The screenshot: the server's own CDP client, through the same connection.
+        let (status, headers, body) = send(
+            &app,
+            get(
+                &format!("{base}/screenshot"),
+                &[("x-access-token", &own), ("origin", "http://evil.test")],
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(headers["content-type"], "image/png");
+        assert_eq!(body, b"\x89PNG\r\n\x1a\nfake");
+
+        // The view page carries the sandbox's token, never the server's.
+        let (status, _, body) = send(&app, get(&format!("{base}/view?token={own}"), &[])).await;
+        assert_eq!(status, StatusCode::OK);
+        let html = String::from_utf8(body).unwrap();
+        assert!(html.contains(&own) && !html.contains(TOKEN));
+        assert!(html.contains("Page.startScreencast"));
+
+        // Every request reached the guest as `localhost`, without an Origin.
+        let seen = seen.lock().unwrap().clone();
+        assert!(seen.len() >= 4, "{seen:?}");
+        for (host, origin) in &seen {
+            assert_eq!(host, "localhost", "{seen:?}");
+            assert_eq!(origin, &None, "{seen:?}");
+        }
+
+        // Nothing listening: no browser. Unknown sandbox: not found.
+        *fake.guest.lock().unwrap() = None;
+        let (status, _, body) = send(
+            &app,
+            get(&format!("{base}/cdp"), &[("authorization", &bearer)]),
+        )
+        .await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert!(String::from_utf8_lossy(&body).contains("no_browser"));
+        let (status, _, _) = send(
+            &app,
+            get(
+                "/v1/sandboxes/bbbbbbbbbbbbbbbb/cdp",
+                &[("authorization", &bearer)],
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
     }
 
     #[test]
