@@ -299,8 +299,50 @@ def load_env(env: dict, where: str) -> dict:
     return dict(sorted(env.items()))
 
 
+def load_services(raw, where: str) -> list[dict]:
+    """`[[warmup.services]]`: long-lived guest programs started before the snapshot."""
+    if not isinstance(raw, list):
+        raise BuildError(f"{where}: services must be a list of tables ([[warmup.services]])")
+    services, names = [], set()
+    for i, svc in enumerate(raw):
+        swhere = f"{where} services #{i + 1}"
+        if not isinstance(svc, dict):
+            raise BuildError(f"{swhere}: must be a table with name and argv")
+        check_keys(svc, {"name", "argv", "env", "cwd", "user", "ready", "ready_timeout_s"}, swhere)
+        name = svc.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+            raise BuildError(f"{swhere}: name must be 1-64 letters, digits, '.', '_' or '-' (got {name!r})")
+        if name in names:
+            raise BuildError(f"{swhere}: duplicate service name {name!r}")
+        names.add(name)
+        out = {"name": name}
+        for key in ("argv", "ready"):
+            if key not in svc:
+                if key == "argv":
+                    raise BuildError(f"{swhere}: argv (the program and its arguments) is required")
+                continue
+            value = svc[key]
+            if not isinstance(value, list) or not value or not all(isinstance(v, str) and "\0" not in v for v in value) \
+                    or not value[0]:
+                raise BuildError(f"{swhere}: {key} must be a non-empty list of strings (a program and its arguments)")
+            out[key] = value
+        if "env" in svc:
+            if not isinstance(svc["env"], dict):
+                raise BuildError(f"{swhere}: env must be a table")
+            out["env"] = load_env(svc["env"], f"{swhere} env")
+        if "cwd" in svc:
+            out["cwd"] = guest_path(svc["cwd"], f"{swhere}: cwd")
+        user = svc.get("user", "root")
+        if user not in ("root", "user"):
+            raise BuildError(f"{swhere}: user must be \"root\" or \"user\" (got {user!r})")
+        out["user"] = user
+        out["ready_timeout_s"] = positive_int(svc, "ready_timeout_s", 300, swhere, 1, 3600)
+        services.append(out)
+    return services
+
+
 def load_warmup(warmup: dict, where: str) -> dict:
-    check_keys(warmup, {"code", "contexts", "spare"}, where)
+    check_keys(warmup, {"code", "contexts", "spare", "services"}, where)
     code = warmup.get("code", "")
     if not isinstance(code, str):
         raise BuildError(f"{where}: code must be a string")
@@ -338,7 +380,12 @@ def load_warmup(warmup: dict, where: str) -> dict:
     check_keys(raw_spare, set(LANGUAGES), f"{where} spare")
     spare = {lang: positive_int(raw_spare, lang, DEFAULT_SPARE[lang], f"{where} spare", 0, 64)
              for lang in LANGUAGES}
-    return {"code": code, "contexts": contexts, "spare": spare}
+    out = {"code": code, "contexts": contexts, "spare": spare}
+    # Only when given, so that a recipe without services has the manifest it always had.
+    services = load_services(warmup.get("services", []), where)
+    if services:
+        out["services"] = services
+    return out
 
 
 def base_key(recipe: dict) -> str:

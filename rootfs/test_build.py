@@ -54,6 +54,32 @@ class RecipeTests(unittest.TestCase):
         self.assertIn("savefig", recipe["warmup"]["code"])
         compile(recipe["warmup"]["code"], "warmup", "exec")
 
+    def test_browser_template_loads(self):
+        recipe = build.load_recipe(build.TEMPLATES_DIR / "browser.toml")
+        self.assertEqual(recipe["name"], "browser")
+        for pkg in ("chromium", "socat", "python3-ipython", "python3-pandas", "python3-matplotlib"):
+            self.assertIn(pkg, recipe["packages"])
+        names = [s["name"] for s in recipe["warmup"]["services"]]
+        self.assertEqual(names, ["chromium", "cdp-relay"])
+        chromium = recipe["warmup"]["services"][0]
+        self.assertEqual(chromium["user"], "user")
+        self.assertIn("--no-sandbox", chromium["argv"])
+        self.assertIn("--remote-debugging-port=9223", chromium["argv"])
+        self.assertEqual(chromium["argv"][-1], "about:blank")
+        relay = recipe["warmup"]["services"][1]
+        self.assertIn("TCP:127.0.0.1:9223", relay["argv"])
+        self.assertEqual(relay["ready"][0], "/bin/bash")
+        self.assertEqual(relay["ready_timeout_s"], 3000)
+
+    def test_services_are_left_out_when_none(self):
+        recipe = build.load_recipe(write(self.dir, "t.toml", MINIMAL))
+        self.assertNotIn("services", recipe["warmup"])
+        text = MINIMAL + '[[warmup.services]]\nname = "s"\nargv = ["/bin/sleep", "1"]\nenv = { A = "b" }\n'
+        recipe = build.load_recipe(write(self.dir, "s.toml", text))
+        self.assertEqual(recipe["warmup"]["services"], [
+            {"name": "s", "argv": ["/bin/sleep", "1"], "env": {"A": "b"}, "user": "root", "ready_timeout_s": 300},
+        ])
+
     def test_new_sections_default(self):
         recipe = build.load_recipe(write(self.dir, "t.toml", MINIMAL))
         self.assertEqual(recipe["vm"], {"network": True, "vcpus": 1, "memory_mib": 512, "disk_mib": None})
@@ -106,6 +132,14 @@ class RecipeTests(unittest.TestCase):
             MINIMAL + "[warmup]\ncontexts = \"default\"\n": "contexts must be a list",
             MINIMAL + "[warmup]\nspare = { ruby = 1 }\n": "unknown key(s) ruby",
             MINIMAL + "[warmup]\nspare = { python = -1 }\n": "python must be an integer",
+            MINIMAL + "[[warmup.services]]\nname = \"s\"\n": "argv (the program and its arguments) is required",
+            MINIMAL + "[[warmup.services]]\nname = \"s\"\nargv = []\n": "argv must be a non-empty list",
+            MINIMAL + "[[warmup.services]]\nname = \"a b\"\nargv = [\"x\"]\n": "name must be",
+            MINIMAL + "[[warmup.services]]\nname = \"s\"\nargv = [\"x\"]\nuser = \"nobody\"\n": "user must be",
+            MINIMAL + "[[warmup.services]]\nname = \"s\"\nargv = [\"x\"]\nready = \"x\"\n": "ready must be a non-empty list",
+            MINIMAL + "[[warmup.services]]\nname = \"s\"\nargv = [\"x\"]\nport = 1\n": "unknown key(s) port",
+            MINIMAL + "[[warmup.services]]\nname = \"s\"\nargv = [\"x\"]\nready_timeout_s = 0\n": "ready_timeout_s must be",
+            MINIMAL + "[[warmup.services]]\nname = \"s\"\nargv = [\"x\"]\n[[warmup.services]]\nname = \"s\"\nargv = [\"y\"]\n": "duplicate service name",
             MINIMAL + "[vm]\ncpus = 2\n": "unknown key(s) cpus",
             MINIMAL + "[vm]\nvcpus = 0\n": "vcpus must be an integer",
             MINIMAL + "[vm]\nvcpus = true\n": "vcpus must be an integer",

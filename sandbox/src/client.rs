@@ -315,6 +315,29 @@ impl Client {
         )
     }
 
+    /// A PNG screenshot of a page of the sandbox's browser (`GET …/screenshot`; `target`:
+    /// a page target id, default the first page) into `out`.
+    pub fn screenshot(
+        &self,
+        id: &str,
+        target: Option<&str>,
+        full_page: bool,
+        out: &mut dyn Write,
+    ) -> Result<u64, ClientError> {
+        let mut q = Vec::new();
+        if let Some(t) = target {
+            q.push(("target", t.to_string()));
+        }
+        if full_page {
+            q.push(("full_page", "true".to_string()));
+        }
+        self.download_from(
+            &format!("/v1/sandboxes/{}/screenshot", segment(id)),
+            &q,
+            out,
+        )
+    }
+
     /// Streams one artifact (`path` as listed) into `out`.
     pub fn download_artifact(
         &self,

@@ -53,6 +53,8 @@ enum Cmd {
     Artifacts(cli::remote::ArtifactsArgs),
     /// Show a sandbox's audit log.
     Logs(cli::remote::LogsArgs),
+    /// Save a PNG of a browser sandbox's page (`ember screenshot ID out.png`).
+    Screenshot(cli::browser::ScreenshotArgs),
     /// The local CA and certificate of the E2B TLS listener (`ember serve --tls-listen`).
     #[command(subcommand)]
     Tls(cli::tls::TlsCmd),
@@ -969,6 +971,7 @@ fn main() -> ExitCode {
         Cmd::Cp(a) => cli::remote::cp_main(a),
         Cmd::Artifacts(a) => cli::remote::artifacts_main(a),
         Cmd::Logs(a) => cli::remote::logs_main(a),
+        Cmd::Screenshot(a) => cli::browser::screenshot_main(a),
         Cmd::Tls(c) => cli::tls::main(c),
         Cmd::Vm(VmCmd::Boot(a)) => vm_boot(a),
         Cmd::Vm(VmCmd::Restore(a)) => vm_restore(a),

@@ -127,6 +127,12 @@ pub struct WarmupSpec {
     /// Spare contexts kept ready per language (`python`, `bash`).
     #[serde(default = "default_spare")]
     pub spare: BTreeMap<String, u32>,
+    /// Long-lived programs started (in the background, through the agent) after the warm-up
+    /// and before the snapshot, so that every sandbox restores with them running (the
+    /// `browser` template's Chromium). Left out of the key's JSON when empty, so templates
+    /// without services keep their keys.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub services: Vec<ServiceSpec>,
 }
 
 impl Default for WarmupSpec {
@@ -135,8 +141,41 @@ impl Default for WarmupSpec {
             code: String::new(),
             contexts: default_contexts(),
             spare: default_spare(),
+            services: Vec::new(),
         }
     }
+}
+
+/// A `[[warmup.services]]` entry: a guest program the template starts before its snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServiceSpec {
+    /// Its name (for messages).
+    pub name: String,
+    /// Program and arguments.
+    pub argv: Vec<String>,
+    /// Extra environment.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Working directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// `root` or `user`.
+    #[serde(default = "root")]
+    pub user: String,
+    /// A command run in the guest (every 2 s) until it exits 0: the service is
+    /// ready. None: ready once started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready: Option<Vec<String>>,
+    /// Longest wait for `ready`, seconds.
+    #[serde(default = "default_ready_timeout")]
+    pub ready_timeout_s: u64,
+}
+
+fn root() -> String {
+    "root".into()
+}
+fn default_ready_timeout() -> u64 {
+    300
 }
 
 fn default_contexts() -> Vec<ContextSpec> {
@@ -892,8 +931,19 @@ fn build_into(
             message: format!("the agent ended the warm-up with status {status:?}"),
         });
     }
-    drop(client);
     let warmup_ms = t_warm.elapsed().as_millis() as u64;
+    let t_services = Instant::now();
+    for svc in &manifest.warmup.services {
+        progress(BuildEvent::Step(format!("starting service {}", svc.name)));
+        start_service(&mut client, &manifest.env, svc, progress).map_err(|message| {
+            TemplateError::Warmup {
+                name: name.into(),
+                message: format!("service {}: {message}", svc.name),
+            }
+        })?;
+    }
+    drop(client);
+    let services_ms = t_services.elapsed().as_millis() as u64;
 
     // Let the guest finish what the warm-up left it to do (deferred kernel work after the
     // burst of imports and forks) before the snapshot: otherwise every clone does it again
@@ -965,11 +1015,93 @@ fn build_into(
         timings_ms: BTreeMap::from([
             ("boot".into(), boot_ms),
             ("warmup".into(), warmup_ms),
+            ("services".into(), services_ms),
             ("settle".into(), settle_ms),
             ("snapshot".into(), snapshot_ms),
         ]),
         snapshot_bytes: allocated_bytes(&snap),
     })
+}
+
+/// Runs one `exec` to its end: the exit code (None: killed by a signal or timed out) and
+/// the output (stdout then stderr, lossy, at most a few KiB kept).
+fn exec_once<S: ember_agent::client::Transport>(
+    client: &mut Client<S>,
+    req: protocol::ExecRequest,
+    timeout: Duration,
+) -> Result<(Option<i32>, String), String> {
+    let mut code = None;
+    let mut out = String::new();
+    client
+        .call(&Call::Exec(req), timeout, |ev| {
+            match ev {
+                EventKind::Stdout { data } | EventKind::Stderr { data } if out.len() < 4096 => {
+                    out.push_str(&String::from_utf8_lossy(&data));
+                }
+                EventKind::Exit(protocol::ExitStatus::Code(c)) => code = Some(c),
+                _ => {}
+            }
+            Ok(())
+        })
+        .map_err(|e| e.to_string())?;
+    Ok((code, out))
+}
+
+/// Starts `svc` in the background and waits until its `ready` command succeeds.
+fn start_service<S: ember_agent::client::Transport>(
+    client: &mut Client<S>,
+    base_env: &BTreeMap<String, String>,
+    svc: &ServiceSpec,
+    progress: &mut dyn FnMut(BuildEvent),
+) -> Result<(), String> {
+    let user = match svc.user.as_str() {
+        "root" => protocol::ExecUser::Root,
+        "user" => protocol::ExecUser::User,
+        other => return Err(format!("user must be root or user, not {other:?}")),
+    };
+    let start = protocol::ExecRequest {
+        argv: svc.argv.clone(),
+        env: merged_env(base_env, &svc.env),
+        cwd: svc.cwd.clone(),
+        background: true,
+        user,
+        ..Default::default()
+    };
+    exec_once(client, start, Duration::from_secs(60))
+        .map_err(|e| format!("could not be started: {e}"))?;
+    let Some(ready) = &svc.ready else {
+        return Ok(());
+    };
+    let t0 = Instant::now();
+    let limit = Duration::from_secs(svc.ready_timeout_s);
+    loop {
+        let check = protocol::ExecRequest {
+            argv: ready.clone(),
+            // A check that hangs (a busy guest) counts as not ready, and is tried again.
+            timeout_ms: Some(120_000),
+            ..Default::default()
+        };
+        let last = match exec_once(client, check, Duration::from_secs(180)) {
+            Ok((Some(0), _)) => {
+                progress(BuildEvent::Step(format!(
+                    "service {} ready after {:.1}s",
+                    svc.name,
+                    t0.elapsed().as_secs_f64()
+                )));
+                return Ok(());
+            }
+            Ok((code, out)) => format!("exit {code:?}: {}", out.trim()),
+            Err(e) => e,
+        };
+        if t0.elapsed() > limit {
+            return Err(format!(
+                "not ready after {}s (last check: {last})",
+                svc.ready_timeout_s
+            ));
+        }
+        // Not too often: each check is an exec that competes with the service for the guest.
+        std::thread::sleep(Duration::from_secs(2));
+    }
 }
 
 fn merged_env(
@@ -1012,6 +1144,28 @@ mod tests {
         assert_eq!(m.vm.memory_mib, 512);
         assert_eq!(m.warmup.contexts[0].id, "default");
         assert_eq!(m.outputs, "/workspace/outputs");
+    }
+
+    #[test]
+    fn services_parse_and_only_change_the_key_when_present() {
+        let m: RootfsManifest = serde_json::from_str(
+            r#"{"template": "t", "key": "img", "warmup": {"services": [
+                {"name": "b", "argv": ["/bin/b", "-x"], "ready": ["/bin/true"]}]}}"#,
+        )
+        .unwrap();
+        let svc = &m.warmup.services[0];
+        assert_eq!(svc.argv, ["/bin/b", "-x"]);
+        assert_eq!(svc.user, "root");
+        assert_eq!(svc.ready_timeout_s, 300);
+        assert_eq!(svc.ready.as_deref(), Some(&["/bin/true".to_string()][..]));
+        // A template without services hashes as it did before services existed.
+        let plain = manifest();
+        let json = serde_json::to_value(&plain.warmup).unwrap();
+        assert!(json.get("services").is_none(), "{json}");
+        let k = template_key("kern", &plain, "pvm").unwrap();
+        let mut with = plain.clone();
+        with.warmup.services = m.warmup.services.clone();
+        assert_ne!(k, template_key("kern", &with, "pvm").unwrap());
     }
 
     #[test]

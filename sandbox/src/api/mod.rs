@@ -16,6 +16,7 @@
 //! `/openapi.json`).
 
 pub mod backend;
+pub mod browser;
 pub mod e2b;
 pub mod error;
 pub mod metrics;
@@ -299,8 +300,7 @@ pub fn route_list() -> Vec<(&'static str, &'static str)> {
 /// The whole application: routes, auth, request ids, logs, counters, JSON errors, and the
 /// E2B surface in front of the native routes.
 pub fn router(state: AppState) -> Router {
-    table()
-        .router
+    browser::routes(table().router)
         // The reverse proxy to exposed guest ports: any method, authorized by `ports`.
         .route(
             "/v1/sandboxes/{id}/ports/{port}/",
@@ -327,7 +327,9 @@ pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
 
 /// Bearer-token auth on everything but [`PUBLIC_PATHS`].
 async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
-    if PUBLIC_PATHS.contains(&req.uri().path()) || ports::is_proxy_path(req.uri().path()) {
+    let path = req.uri().path();
+    if PUBLIC_PATHS.contains(&path) || ports::is_proxy_path(path) || browser::is_browser_path(path)
+    {
         return next.run(req).await;
     }
     let given = req

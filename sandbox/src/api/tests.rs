@@ -36,6 +36,8 @@ pub(crate) const KNOWN: &str = "aaaaaaaaaaaaaaaa";
 /// A backend without VMs: sandbox [`KNOWN`] exists, every other id does not.
 #[derive(Debug, Default)]
 pub(crate) struct Fake {
+    /// Where `connect_port` connects (the browser routes' tests); None: refused.
+    pub(crate) guest: Mutex<Option<std::net::SocketAddr>>,
     pub(crate) cancelled: AtomicBool,
     pub(crate) events_sent: AtomicUsize,
     pub(crate) written: Mutex<Vec<u8>>,
@@ -80,6 +82,22 @@ fn stdout(s: &str) -> EventKind {
 }
 
 impl Backend for Fake {
+    fn connect_port(
+        &self,
+        id: &str,
+        port: u16,
+        _require_exposed: bool,
+    ) -> Result<std::net::TcpStream, RuntimeError> {
+        known(id)?;
+        let addr = *self.guest.lock().unwrap();
+        match addr {
+            Some(a) => std::net::TcpStream::connect(a)
+                .map_err(|e| RuntimeError::Unreachable(format!("{id} port {port}: {e}"))),
+            None => Err(RuntimeError::Unreachable(format!(
+                "{id} port {port}: connection refused"
+            ))),
+        }
+    }
     fn max_upload_bytes(&self) -> u64 {
         1000
     }

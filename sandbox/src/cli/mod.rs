@@ -6,6 +6,7 @@ pub mod bench_api;
 pub mod bench_density;
 pub mod bench_pool;
 pub mod bench_sandbox;
+pub mod browser;
 pub mod remote;
 pub mod render;
 pub mod run;

@@ -31,7 +31,7 @@ pub struct Conn {
 }
 
 impl Conn {
-    fn client(&self) -> Client {
+    pub(crate) fn client(&self) -> Client {
         Client::from_env(Some(&self.url), self.token.clone())
     }
 }
@@ -353,7 +353,7 @@ pub struct LogsArgs {
 }
 
 /// Prints a client error (with a hint for the usual causes); exit status `code`.
-fn fail_with(client: &Client, e: ClientError, code: u8) -> ExitCode {
+pub(crate) fn fail_with(client: &Client, e: ClientError, code: u8) -> ExitCode {
     eprintln!("ember: error: {e}");
     if let ClientError::Api { status: 401, .. } = e {
         if client.has_token() {
