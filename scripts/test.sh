@@ -15,8 +15,9 @@ if [[ -z "${EMBER_E2B_VENV:-}" ]]; then
         echo "warning: the E2B SDKs could not be installed; tests/e2b.rs will say so" >&2
     fi
 fi
-# The pinned CDP clients that tests/browser.rs drives (cached; .ci/run has already done this).
-if [[ -z "${EMBER_BROWSER_VENV:-}" ]]; then
+# The pinned CDP clients that tests/browser.rs drives (cached), when that #[ignore]d test is
+# asked for with EMBER_TEST_BROWSER=1 (it also needs `ember template build browser`).
+if [[ -n "${EMBER_TEST_BROWSER:-}" && -z "${EMBER_BROWSER_VENV:-}" ]]; then
     if browser_env=$(bash scripts/browser-clients.sh); then
         EMBER_BROWSER_VENV=$(sed -n 's/^EMBER_BROWSER_VENV=//p' <<<"$browser_env")
         EMBER_BROWSER_NODE_MODULES=$(sed -n 's/^EMBER_BROWSER_NODE_MODULES=//p' <<<"$browser_env")

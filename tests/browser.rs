@@ -358,6 +358,9 @@ fn run_client(label: &str, mut cmd: Command, limit: Duration) -> String {
 }
 
 #[test]
+#[ignore = "needs the browser template, whose Chromium start-up in a kvm_pvm guest outlasts CI's \
+            budget: `ember template build browser`, then `cargo test -p ember-tests --test \
+            browser -- --ignored` (docs/browser.md)"]
 fn playwright_and_puppeteer_drive_isolated_browser_sandboxes() {
     let Some((host_chromium, python, node_modules)) = prerequisites() else {
         return;
