@@ -975,6 +975,7 @@ mod ioctls {
     ioctl_iow_nr!(KVM_SET_PIT2, KVMIO, 0xa0, kvm_pit_state2);
     ioctl_ior_nr!(KVM_SET_IRQCHIP, KVMIO, 0x63, kvm_irqchip);
     ioctl_io_nr!(KVM_CREATE_VCPU, KVMIO, 0x41);
+    ioctl_io_nr!(KVM_GET_STATS_FD, KVMIO, 0xce);
     ioctl_io_nr!(KVM_SET_TSS_ADDR, KVMIO, 0x47);
     ioctl_io_nr!(KVM_CREATE_IRQCHIP, KVMIO, 0x60);
     ioctl_iow_nr!(KVM_SET_MP_STATE, KVMIO, 0x99, kvm_mp_state);
@@ -1028,6 +1029,7 @@ fn constant(name: &str) -> Option<u64> {
         "KVM_SET_PIT2" => KVM_SET_PIT2(),
         "KVM_SET_IRQCHIP" => KVM_SET_IRQCHIP(),
         "KVM_CREATE_VCPU" => KVM_CREATE_VCPU(),
+        "KVM_GET_STATS_FD" => KVM_GET_STATS_FD(),
         "KVM_SET_TSS_ADDR" => KVM_SET_TSS_ADDR(),
         "KVM_CREATE_IRQCHIP" => KVM_CREATE_IRQCHIP(),
         "KVM_SET_MP_STATE" => KVM_SET_MP_STATE(),
