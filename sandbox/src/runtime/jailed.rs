@@ -167,7 +167,30 @@ pub fn write_disks(dir: &Path, disks: &[SnapshotDisk]) -> Result<(), RuntimeErro
     std::fs::write(&f, text).map_err(RuntimeError::io("cannot write", &f))
 }
 
-fn jail_options(
+/// The VMM's arguments every jailed sandbox gets (control socket, report, console and log
+/// files in `/work`, each capped at `log_max_bytes`).
+pub(crate) fn vmm_args(cfg: &RuntimeConfig) -> Vec<String> {
+    let max = cfg.log_max_bytes.to_string();
+    [
+        "--api-sock",
+        "/work/api.sock",
+        "--report",
+        "/work/report.jsonl",
+        "--serial",
+        "file:/work/console.log",
+        "--serial-max-bytes",
+        &max,
+        "--log-file",
+        "/work/vmm.log",
+        "--log-max-bytes",
+        &max,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+pub(crate) fn jail_options(
     cfg: &RuntimeConfig,
     bins: &Binaries,
     uid: u32,
@@ -202,24 +225,7 @@ pub fn start(
     let empty = state.join("jail-work");
     std::fs::create_dir_all(&empty).map_err(RuntimeError::io("cannot create", &empty))?;
     let opts = jail_options(cfg, bins, spec.uid, spec.limits.clone());
-    let max = cfg.log_max_bytes.to_string();
-    let extra: Vec<String> = [
-        "--api-sock",
-        "/work/api.sock",
-        "--report",
-        "/work/report.jsonl",
-        "--serial",
-        "file:/work/console.log",
-        "--serial-max-bytes",
-        &max,
-        "--log-file",
-        "/work/vmm.log",
-        "--log-max-bytes",
-        &max,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let extra = vmm_args(cfg);
     let mut launch = jail::restore(
         &opts,
         spec.jail_id,

@@ -25,7 +25,7 @@ use ember_vmm::pooled::{RestoreRequest, WaitRequest};
 use super::config::RuntimeConfig;
 use super::error::RuntimeError;
 use super::jailed::{self, Binaries, Live};
-use crate::jail::{self, JailOptions, SnapshotDisk};
+use crate::jail::{self, SnapshotDisk};
 use crate::netpolicy::{NetManager, NetworkPolicy, SandboxNet};
 use crate::sandbox::AdoptPaths;
 use crate::Sandbox;
@@ -114,33 +114,8 @@ impl VmmFiller {
                     .map_err(|e| format!("network namespace: {e}"))?,
             )
         };
-        let opts = JailOptions {
-            jailer: self.bins.jailer.clone(),
-            uid,
-            gid: uid,
-            chroot_base: cfg.jails_dir(),
-            limits: limits.clone(),
-            new_pid_ns: false,
-            exec_link: self.bins.vmm_link,
-        };
-        let max = cfg.log_max_bytes.to_string();
-        let extra: Vec<String> = [
-            "--api-sock",
-            "/work/api.sock",
-            "--report",
-            "/work/report.jsonl",
-            "--serial",
-            "file:/work/console.log",
-            "--serial-max-bytes",
-            &max,
-            "--log-file",
-            "/work/vmm.log",
-            "--log-max-bytes",
-            &max,
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        let opts = super::jailed::jail_options(cfg, &self.bins, uid, limits.clone());
+        let extra = super::jailed::vmm_args(cfg);
         let built =
             jail::restore_waiting(&opts, jail_id, &self.bins.vmm, dir, &disks, &work, &extra);
         let (mut launch, restore) = match built {
