@@ -318,6 +318,18 @@ fn netns_names() -> BTreeSet<String> {
         .unwrap_or_default()
 }
 
+/// The namespaces of the runtime at `cfg.home` (`em-<tag>-…`, the tag from the home's
+/// digest): tests running at the same time make namespaces of their own.
+fn own_netns(cfg: &RuntimeConfig) -> BTreeSet<String> {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(cfg.home.as_os_str().as_encoded_bytes());
+    let prefix = format!("em-{:02x}{:02x}-", digest[0], digest[1]);
+    netns_names()
+        .into_iter()
+        .filter(|n| n.starts_with(&prefix))
+        .collect()
+}
+
 fn leftovers(cfg: &RuntimeConfig, pids: &BTreeSet<u32>, ns: &BTreeSet<String>) -> Vec<String> {
     let mut left = Vec::new();
     for pid in pids {
@@ -342,12 +354,11 @@ fn leftovers(cfg: &RuntimeConfig, pids: &BTreeSet<u32>, ns: &BTreeSet<String>) -
 fn dropping_the_runtime_leaves_no_pooled_vmm_jail_cgroup_or_namespace() {
     let h = home();
     let cfg = pooled_config(h.path(), 2);
-    let ns_before = netns_names();
     let rt = open(cfg.clone());
     assert!(rt.pool_wait_ready(2, Duration::from_secs(120)));
     let pids = pool_pids(&cfg);
     assert_eq!(pids.len(), 2);
-    let ns: BTreeSet<String> = netns_names().difference(&ns_before).cloned().collect();
+    let ns = own_netns(&cfg);
     // The default template has a network device: each pooled VMM has its namespace.
     assert_eq!(ns.len(), 2, "{ns:?}");
     drop(rt);
@@ -362,7 +373,6 @@ fn dropping_the_runtime_leaves_no_pooled_vmm_jail_cgroup_or_namespace() {
 fn a_killed_server_s_pool_is_reclaimed_by_the_next_runtime() {
     let h = home();
     let cfg = pooled_config(h.path(), 2);
-    let ns_before = netns_names();
     // A server with a pool, killed with SIGKILL (no drain).
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -383,7 +393,8 @@ fn a_killed_server_s_pool_is_reclaimed_by_the_next_runtime() {
         pool_pids(&cfg).len() == 2
     });
     let pids = pool_pids(&cfg);
-    let ns: BTreeSet<String> = netns_names().difference(&ns_before).cloned().collect();
+    let ns = own_netns(&cfg);
+    assert_eq!(ns.len(), 2, "{ns:?}");
     server.kill().unwrap();
     server.wait().unwrap();
     // The pooled VMMs outlive their server until the next runtime reclaims them.

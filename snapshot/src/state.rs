@@ -584,10 +584,15 @@ mod tests {
                 other => panic!("version {version}: {other:?}"),
             }
         }
-        let msg = decode_state::<VmState>(&frame(2, &body))
+        let newer = FORMAT_VERSION + 1;
+        let msg = decode_state::<VmState>(&frame(newer, &body))
             .expect_err("newer")
             .to_string();
-        assert!(msg.contains("format version 2"), "{msg}");
+        assert!(msg.contains(&format!("format version {newer}")), "{msg}");
+        // Every version in the supported range decodes.
+        for version in MIN_FORMAT_VERSION..=FORMAT_VERSION {
+            decode_state::<VmState>(&frame(version, &body)).expect("supported version");
+        }
     }
 
     #[test]
