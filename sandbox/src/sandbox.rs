@@ -98,6 +98,8 @@ pub struct CreateTimings {
     pub vmm_ready_ms: f64,
     /// Spawn → the agent answered `sync` (clock and entropy set).
     pub synced_ms: f64,
+    /// Time the start waited for admission before it began (the runtime's start gate).
+    pub queued_ms: f64,
 }
 
 /// How to start a sandbox's VMM ([`Sandbox::launch`]).
@@ -864,6 +866,11 @@ impl Sandbox {
     /// How long the create took.
     pub fn timings(&self) -> CreateTimings {
         self.timings
+    }
+
+    /// Records how long the start waited for admission (the runtime's start gate).
+    pub fn set_queued_ms(&mut self, ms: f64) {
+        self.timings.queued_ms = ms;
     }
 
     /// The VMM's pid, while it runs.

@@ -43,9 +43,14 @@ pub struct BenchPoolArgs {
     /// Most warm VMMs per template (the pool grows with the create rate up to this).
     #[arg(long, default_value_t = 64)]
     pub pool_max: usize,
-    /// Concurrent clients of the throughput measure (comma-separated; empty: skip it).
-    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 4, 16, 64])]
+    /// Concurrent clients of the throughput measure (comma-separated; `--clients` with no
+    /// value skips it).
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_values_t = vec![1, 4, 16, 64])]
     pub clients: Vec<usize>,
+    /// The runtime's admission limit on VM starts during the throughput measure (0: no
+    /// limit; default: the runtime's, twice the host's CPUs).
+    #[arg(long, value_name = "N")]
+    pub max_starting: Option<usize>,
     /// Seconds each concurrency level runs.
     #[arg(long, default_value_t = 30)]
     pub secs: u64,
@@ -261,7 +266,14 @@ fn throughput(a: &BenchPoolArgs) -> Result<Vec<Value>, String> {
         max: a.pool_max.max(a.pool),
         ..PoolSettings::default()
     };
-    let (local, addr, token) = Local::start_with(settings).map_err(|e| e.to_string())?;
+    let max_starting = a.max_starting;
+    let (local, addr, token) = Local::start_tuned(move |cfg| {
+        cfg.pool = settings;
+        if let Some(n) = max_starting {
+            cfg.max_starting = n;
+        }
+    })
+    .map_err(|e| e.to_string())?;
     let target = Arc::new(Target {
         client: Client::new(&format!("http://{addr}"), Some(token)),
         local: Some(local),
@@ -283,6 +295,7 @@ fn throughput(a: &BenchPoolArgs) -> Result<Vec<Value>, String> {
         let stop = Arc::new(AtomicBool::new(false));
         let done = Arc::new(AtomicUsize::new(0));
         let failures = Arc::new(AtomicUsize::new(0));
+        let errors = Arc::new(std::sync::Mutex::new(ErrorTally::default()));
         let (kill_tx, kill_rx) = std::sync::mpsc::channel::<String>();
         let killer = {
             let target = target.clone();
@@ -296,13 +309,21 @@ fn throughput(a: &BenchPoolArgs) -> Result<Vec<Value>, String> {
         let deadline = t0 + Duration::from_secs(a.secs);
         let handles: Vec<_> = (0..clients)
             .map(|_| {
-                let (target, stop, done, failures, kill_tx) = (
+                let (target, stop, done, failures, errors, kill_tx) = (
                     target.clone(),
                     stop.clone(),
                     done.clone(),
                     failures.clone(),
+                    errors.clone(),
                     kill_tx.clone(),
                 );
+                let fail = move |what: &str, e: String| {
+                    failures.fetch_add(1, Ordering::Relaxed);
+                    errors
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .add(&format!("{what}: {e}"));
+                };
                 let template = a.template.clone();
                 std::thread::spawn(move || {
                     let mut lat = Vec::new();
@@ -319,14 +340,12 @@ fn throughput(a: &BenchPoolArgs) -> Result<Vec<Value>, String> {
                                         lat.push(ms);
                                         done.fetch_add(1, Ordering::Relaxed);
                                     }
-                                    Err(_) => {
-                                        failures.fetch_add(1, Ordering::Relaxed);
-                                    }
+                                    Err(e) => fail("run_code", e.to_string()),
                                 }
                                 let _ = kill_tx.send(info.id);
                             }
-                            Err(_) => {
-                                failures.fetch_add(1, Ordering::Relaxed);
+                            Err(e) => {
+                                fail("create", e.to_string());
                                 std::thread::sleep(Duration::from_millis(50));
                             }
                         }
@@ -355,6 +374,8 @@ fn throughput(a: &BenchPoolArgs) -> Result<Vec<Value>, String> {
         s["creates_per_s"] = json!(n as f64 / wall);
         s["completed"] = json!(n);
         s["failures"] = json!(failures.load(Ordering::Relaxed));
+        let tally = std::mem::take(&mut *errors.lock().unwrap_or_else(|p| p.into_inner()));
+        s["errors"] = tally.to_json();
         s["pool_hits"] = json!(hits);
         s["pool_misses"] = json!(misses);
         s["server_cpu_ms_per_create"] = json!(per(own1 - own0));
@@ -373,6 +394,11 @@ fn throughput(a: &BenchPoolArgs) -> Result<Vec<Value>, String> {
                 per(kids1 - kids0),
             );
         }
+        if !a.json {
+            for (msg, n) in tally.top(5) {
+                eprintln!("       {n} × {msg}");
+            }
+        }
         out.push(s);
         if stop.load(Ordering::Relaxed) {
             break;
@@ -380,6 +406,69 @@ fn throughput(a: &BenchPoolArgs) -> Result<Vec<Value>, String> {
     }
     let _ = target.kill_all();
     Ok(out)
+}
+
+/// Failures of the throughput measure, counted by message (so that a failing level says why).
+#[derive(Debug, Default)]
+struct ErrorTally {
+    counts: std::collections::BTreeMap<String, usize>,
+}
+
+impl ErrorTally {
+    /// Most distinct messages kept (a hostile or broken server must not grow this without end).
+    const MAX_KINDS: usize = 32;
+
+    fn add(&mut self, msg: &str) {
+        let msg: String = Self::normalize(msg).chars().take(200).collect();
+        if let Some(n) = self.counts.get_mut(&msg) {
+            *n += 1;
+        } else if self.counts.len() < Self::MAX_KINDS {
+            self.counts.insert(msg, 1);
+        } else {
+            *self.counts.entry("(other messages)".into()).or_insert(0) += 1;
+        }
+    }
+
+    /// The message with sandbox ids (16 hex digits) replaced, so that one cause is one
+    /// line.
+    fn normalize(msg: &str) -> String {
+        let mut out = String::with_capacity(msg.len());
+        let mut word = String::new();
+        let flush = |word: &mut String, out: &mut String| {
+            if word.len() == 16 && word.bytes().all(|b| b.is_ascii_hexdigit()) {
+                out.push_str("<id>");
+            } else {
+                out.push_str(word);
+            }
+            word.clear();
+        };
+        for c in msg.chars() {
+            if c.is_ascii_alphanumeric() {
+                word.push(c);
+            } else {
+                flush(&mut word, &mut out);
+                out.push(c);
+            }
+        }
+        flush(&mut word, &mut out);
+        out
+    }
+
+    /// The `n` most frequent messages, most frequent first.
+    fn top(&self, n: usize) -> Vec<(&str, usize)> {
+        let mut v: Vec<_> = self.counts.iter().map(|(m, c)| (m.as_str(), *c)).collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+        v.truncate(n);
+        v
+    }
+
+    fn to_json(&self) -> Value {
+        json!(self
+            .top(usize::MAX)
+            .into_iter()
+            .map(|(m, c)| json!({"message": m, "count": c}))
+            .collect::<Vec<_>>())
+    }
 }
 
 /// Runs `ember bench pool`.
@@ -429,4 +518,52 @@ pub fn main(a: BenchPoolArgs) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: BenchPoolArgs,
+    }
+
+    #[test]
+    fn clients_alone_skips_the_throughput_measure() {
+        use clap::Parser;
+        assert!(Cli::parse_from(["x", "--clients"]).a.clients.is_empty());
+        assert_eq!(Cli::parse_from(["x"]).a.clients, vec![1, 4, 16, 64]);
+        assert_eq!(
+            Cli::parse_from(["x", "--clients", "2,8"]).a.clients,
+            vec![2, 8]
+        );
+    }
+
+    #[test]
+    fn error_tally_counts_by_message_and_is_bounded() {
+        let mut t = ErrorTally::default();
+        for _ in 0..3 {
+            t.add("create: timed out");
+        }
+        t.add("run_code: reset");
+        assert_eq!(t.top(1), vec![("create: timed out", 3)]);
+        assert_eq!(
+            ErrorTally::normalize("sandbox 02fc4e0cec27f0f6: connect: x1"),
+            "sandbox <id>: connect: x1"
+        );
+        for i in 0..100 {
+            t.add(&format!("distinct {i}"));
+        }
+        assert!(t.counts.len() <= ErrorTally::MAX_KINDS + 1);
+        let other = t.counts.get("(other messages)").copied().unwrap_or(0);
+        assert_eq!(other, 100 - (ErrorTally::MAX_KINDS - 2));
+        assert_eq!(
+            t.to_json().as_array().map(|a| a.len()),
+            Some(t.counts.len())
+        );
+        t.add(&"x".repeat(1000));
+        assert!(t.counts.keys().all(|k| k.chars().count() <= 200));
+    }
 }

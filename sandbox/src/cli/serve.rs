@@ -57,6 +57,11 @@ pub struct ServeArgs {
     /// create).
     #[arg(long = "pool-template", value_name = "NAME", default_values_t = vec!["default".to_string()])]
     pub pool_templates: Vec<String>,
+    /// Most VM starts (restore → agent answered) at once; further creates and resumes wait
+    /// in line, so that a burst does not starve every starting guest of CPU (0: no limit;
+    /// default: twice the host's CPUs).
+    #[arg(long, value_name = "N")]
+    pub max_starting: Option<usize>,
     /// After SIGINT/SIGTERM, how long open streams may go on, seconds.
     #[arg(long, value_name = "SECS", default_value_t = 10)]
     pub shutdown_grace: u64,
@@ -190,6 +195,9 @@ pub fn main(a: ServeArgs) -> ExitCode {
     cfg.kill_on_drop = false;
     cfg.share_vmm_binary = !a.private_vmm_copies;
     raise_open_file_limit();
+    if let Some(n) = a.max_starting {
+        cfg.max_starting = n;
+    }
     cfg.pool.size = a.pool;
     cfg.pool.max = a.pool_max.max(a.pool);
     cfg.pool_templates = a.pool_templates.clone();

@@ -56,6 +56,9 @@ pub struct RuntimeConfig {
     pub log_max_bytes: u64,
     /// How long a restored guest may take to answer.
     pub connect_timeout: Duration,
+    /// Most VM starts (restore → agent answered) under way at once; more wait in line
+    /// (see [`super::gate`]). 0: no limit.
+    pub max_starting: usize,
     /// Kill running sandboxes when the runtime is dropped (one-shot tools); a server leaves
     /// them running so that a restart re-attaches them.
     pub kill_on_drop: bool,
@@ -113,6 +116,7 @@ impl RuntimeConfig {
             default_output_cap: 16 << 20,
             log_max_bytes: 1 << 20,
             connect_timeout: Duration::from_secs(120),
+            max_starting: super::gate::default_limit(),
             kill_on_drop: false,
             share_vmm_binary: true,
             network: crate::netpolicy::NetOptions::default(),

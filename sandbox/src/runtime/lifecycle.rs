@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ember_jailer::CgroupLimits;
@@ -331,6 +331,16 @@ impl Runtime {
             let st = lock(&slot.st);
             (st.row.clone(), st.row.state)
         };
+        // Starts wait in line when too many guests are starting at once (runtime/gate.rs).
+        let Some(admitted) = self.inner.gate.admit(cfg.connect_timeout) else {
+            let e = RuntimeError::Capacity(format!(
+                "{} VM starts under way for {:?}; none finished (raise `max_starting`, or the \
+                 host is overloaded)",
+                self.inner.gate.busy(),
+                cfg.connect_timeout
+            ));
+            return self.start_failed(slot, lock(&slot.st), from, None, e);
+        };
         let t0 = Instant::now();
         let limits = self.limits(&row.resources);
         // A policy other than `none` needs the template's network device.
@@ -351,8 +361,11 @@ impl Runtime {
             Ok((uid, live)) => (Some(uid), live.jail.id.clone(), Ok(live)),
             Err((e, uid)) => (uid, String::new(), Err(e)),
         };
+        let queued_ms = admitted.waited.as_secs_f64() * 1e3;
+        drop(admitted);
         let started = started.map(|mut live| {
             live.pooled = pooled;
+            live.sandbox.set_queued_ms(queued_ms);
             live
         });
         let mut st = lock(&slot.st);
@@ -377,26 +390,36 @@ impl Runtime {
                 self.transition(slot, &mut st, State::Running, Some(what.to_string()));
                 Ok(())
             }
-            Err(e) => {
-                self.free_uid(uid);
-                st.row.uid = None;
-                st.row.jail_id = None;
-                if from == State::Resuming {
-                    self.transition(
-                        slot,
-                        &mut st,
-                        State::Paused,
-                        Some(format!("resume failed: {e}")),
-                    );
-                } else {
-                    self.transition(slot, &mut st, State::Failed, Some(e.to_string()));
-                    drop(st);
-                    lock(&self.inner.slots).remove(&slot.id);
-                    let _ = std::fs::remove_dir_all(cfg.sandbox_dir(&slot.id));
-                }
-                Err(e)
-            }
+            Err(e) => self.start_failed(slot, st, from, uid, e),
         }
+    }
+
+    /// A start that failed: the slot goes back to Paused (resume) or to Failed (create).
+    fn start_failed(
+        &self,
+        slot: &Arc<Slot>,
+        mut st: MutexGuard<'_, SlotState>,
+        from: State,
+        uid: Option<u32>,
+        e: RuntimeError,
+    ) -> Result<(), RuntimeError> {
+        self.free_uid(uid);
+        st.row.uid = None;
+        st.row.jail_id = None;
+        if from == State::Resuming {
+            self.transition(
+                slot,
+                &mut st,
+                State::Paused,
+                Some(format!("resume failed: {e}")),
+            );
+        } else {
+            self.transition(slot, &mut st, State::Failed, Some(e.to_string()));
+            drop(st);
+            lock(&self.inner.slots).remove(&slot.id);
+            let _ = std::fs::remove_dir_all(self.inner.cfg.sandbox_dir(&slot.id));
+        }
+        Err(e)
     }
 
     /// A fresh jailed VMM for the slot: uid, namespace, jail, spawn (the path without a pool).
@@ -509,6 +532,7 @@ impl Runtime {
             "restore_steps_ms": steps,
             "restore_ms": restore_ms,
             "synced_ms": vm.sandbox.timings().synced_ms,
+            "queued_ms": vm.sandbox.timings().queued_ms,
         }))
     }
 

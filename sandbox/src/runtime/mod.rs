@@ -17,6 +17,7 @@
 
 pub mod config;
 pub mod error;
+pub mod gate;
 pub mod jailed;
 pub mod types;
 
@@ -61,6 +62,8 @@ struct Inner {
     net: Arc<crate::netpolicy::NetManager>,
     /// Warm jailed VMMs per template, waiting for their restore.
     pool: crate::pool::Pool<pooled::VmmFiller>,
+    /// Admission of VM starts (at most `max_starting` at once).
+    gate: gate::StartGate,
 }
 
 /// One sandbox with a VMM or a pause snapshot.
@@ -137,6 +140,7 @@ impl Runtime {
             },
             cfg.pool,
         );
+        let start_gate = gate::StartGate::new(cfg.max_starting);
         let rt = Runtime {
             inner: Arc::new(Inner {
                 cfg,
@@ -150,6 +154,7 @@ impl Runtime {
                 timer: Arc::new((Mutex::new(false), Condvar::new())),
                 net,
                 pool,
+                gate: start_gate,
             }),
         };
         let weak = Arc::downgrade(&rt.inner);
