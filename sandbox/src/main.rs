@@ -628,10 +628,17 @@ fn report_outcome(
     let vmm_marker_ms = out
         .event("boot_marker")
         .and_then(|e| e["ms_since_start"].as_f64());
+    // KVM's vCPU counters at the first marker: what the boot cost the guest, in counts that
+    // do not depend on the host's load (emulated instructions, exits, guest page faults).
+    let marker_kvm = out
+        .event("boot_marker")
+        .map(|e| e["kvm"]["vcpu"].clone())
+        .filter(|v| v.is_object());
     if json {
         let mut obj = serde_json::json!({
                 "boot_marker_ms": out.boot_marker_ms,
                 "vmm_boot_marker_ms": vmm_marker_ms,
+                "boot_marker_kvm": marker_kvm,
                 "total_ms": out.total_ms,
                 "exit_code": code,
                 "exit_reason": exit.as_ref().map(|e| e["detail"].clone()),
@@ -651,7 +658,19 @@ fn report_outcome(
         println!("{obj}");
     } else {
         match out.boot_marker_ms {
-            Some(ms) => eprintln!("ember: boot marker after {ms:.1} ms (process spawn → marker)"),
+            Some(ms) => {
+                eprintln!("ember: boot marker after {ms:.1} ms (process spawn → marker)");
+                if let Some(k) = &marker_kvm {
+                    let n = |key: &str| k[key].as_u64().unwrap_or(0);
+                    eprintln!(
+                        "ember: up to the marker: {} exits, {} emulated instructions, {} guest \
+                         page faults (KVM counters)",
+                        n("exits"),
+                        n("insn_emulation"),
+                        n("pf_guest")
+                    );
+                }
+            }
             None => eprintln!("ember: the guest never wrote its boot marker"),
         }
         match &exit {

@@ -925,10 +925,12 @@ impl Vm {
             .add_serial_device(&vm_fd, serial)
             .map_err(|e| build(VmError::Device(e)))?;
         let reset_evt = devices.add_i8042().map_err(|e| build(VmError::Device(e)))?;
+        let marker_stats = crate::vm::MarkerStats::default();
         devices
             .add_boot_marker(BootMarker::new(crate::vm::marker_sink(
                 reporter.clone(),
                 start,
+                marker_stats.clone(),
             )))
             .map_err(|e| build(VmError::Device(e)))?;
 
@@ -1119,6 +1121,7 @@ impl Vm {
             start,
             config,
             caps: state.caps,
+            marker_stats,
         })
         .map_err(build)?;
         vm.report_first_guest_data();

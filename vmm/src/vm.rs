@@ -268,8 +268,18 @@ impl std::fmt::Debug for Vm {
     }
 }
 
-/// The boot-marker callback: logs the first marker and reports every write with its time.
-pub fn marker_sink(reporter: Reporter, start: StartTime) -> ember_devices::legacy::MarkerSink {
+/// KVM's counters for the boot-marker reports: set once the vCPUs exist (the marker device
+/// is built before them).
+pub type MarkerStats = Arc<std::sync::OnceLock<Arc<crate::kvmstats::KvmStats>>>;
+
+/// The boot-marker callback: logs the first marker and reports every write with its time
+/// and KVM's counters so far (exits, emulated instructions, guest page faults: what a boot
+/// costs, in counts that do not depend on the host's load).
+pub fn marker_sink(
+    reporter: Reporter,
+    start: StartTime,
+    stats: MarkerStats,
+) -> ember_devices::legacy::MarkerSink {
     Box::new(move |e| {
         let ms = e.at.saturating_duration_since(start.instant).as_secs_f64() * 1e3;
         if e.first {
@@ -282,6 +292,7 @@ pub fn marker_sink(reporter: Reporter, start: StartTime) -> ember_devices::legac
                 "first": e.first,
                 "ms_since_start": ms,
                 "mono_ns": start.mono_of(e.at),
+                "kvm": stats.get().map(|s| s.to_json()),
             }),
         );
     })
@@ -316,6 +327,8 @@ pub struct Parts {
     pub config: VmConfig,
     /// KVM state capabilities.
     pub caps: crate::vstate::StateCaps,
+    /// Filled with KVM's counters once the VM is assembled (for the boot-marker sink).
+    pub marker_stats: MarkerStats,
 }
 
 /// Opens /dev/kvm and checks the capabilities ember uses.
@@ -460,7 +473,12 @@ impl Vm {
         let mut devices = DeviceManager::new();
         devices.add_serial(&vm_fd, serial_out)?;
         let reset_evt = devices.add_i8042()?;
-        devices.add_boot_marker(BootMarker::new(marker_sink(reporter.clone(), start)))?;
+        let marker_stats = MarkerStats::default();
+        devices.add_boot_marker(BootMarker::new(marker_sink(
+            reporter.clone(),
+            start,
+            marker_stats.clone(),
+        )))?;
         for disk in disks {
             let d = Arc::new(Mutex::new(disk));
             devices.add_virtio(&vm_fd, &mem, &mut events, d.clone(), VirtioHandle::Block(d))?;
@@ -538,6 +556,7 @@ impl Vm {
             start,
             config: config.clone(),
             caps,
+            marker_stats,
         })
     }
 
@@ -557,6 +576,7 @@ impl Vm {
             start,
             config,
             caps,
+            marker_stats,
         } = p;
         let (tx, rx) = channel();
         let vcpu_exit_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(|source| VmError::Os {
@@ -578,6 +598,7 @@ impl Vm {
             &vm_fd,
             vcpus.iter().map(|v| &v.fd),
         ));
+        let _ = marker_stats.set(kvm_stats.clone());
         Ok(Self {
             vm_fd,
             memory,
