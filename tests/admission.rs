@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use ember_agent::protocol::{EventKind, RunCodeRequest};
-use ember_sandbox::runtime::{AuditFilter, CreateRequest};
+use ember_sandbox::runtime::CreateRequest;
 use ember_sandbox::Runtime;
 use ember_tests::{runtime_config, template};
 
@@ -52,19 +52,10 @@ fn creates_beyond_the_start_limit_wait_in_line_and_all_answer() {
         })
         .unwrap_or_else(|e| panic!("run_code in {id}: {e}"));
         assert_eq!(text.as_deref(), Some("42"), "{id}");
-        let recs = rt
-            .audit(&AuditFilter {
-                sandbox: Some(id.clone()),
-                call: Some("create".into()),
-                ..Default::default()
-            })
-            .unwrap();
-        let rec = recs
-            .first()
-            .unwrap_or_else(|| panic!("no create record for {id}"));
-        let ms = rec.args["vmm"]["queued_ms"]
+        let args = ember_tests::create_record_args(&rt, id);
+        let ms = args["vmm"]["queued_ms"]
             .as_f64()
-            .unwrap_or_else(|| panic!("create record without vmm.queued_ms: {}", rec.args));
+            .unwrap_or_else(|| panic!("create record without vmm.queued_ms: {args}"));
         queued.push(ms);
     }
     // Four starts of ~100 ms or more each, begun together, one at a time: the last in line

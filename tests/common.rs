@@ -456,3 +456,20 @@ pub fn runtime_for_test() -> (tempfile::TempDir, ember_sandbox::Runtime) {
 pub fn reopen_runtime(home: &std::path::Path) -> ember_sandbox::Runtime {
     ember_sandbox::Runtime::open(runtime_config(home)).unwrap_or_else(|e| panic!("runtime: {e}"))
 }
+
+/// The `args` of sandbox `id`'s create record in `rt`'s audit log (panics when there is
+/// none): `args["vmm"]` says how its VMM started (`path` pool|fresh, `queued_ms`, the
+/// restore breakdown).
+pub fn create_record_args(rt: &ember_sandbox::Runtime, id: &str) -> serde_json::Value {
+    let recs = rt
+        .audit(&ember_sandbox::runtime::AuditFilter {
+            sandbox: Some(id.to_string()),
+            call: Some("create".into()),
+            ..Default::default()
+        })
+        .unwrap_or_else(|e| panic!("audit of {id}: {e}"));
+    recs.into_iter()
+        .next()
+        .unwrap_or_else(|| panic!("no create record for {id}"))
+        .args
+}

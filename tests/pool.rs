@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ember_agent::protocol::{EndStatus, EventKind, RunCodeRequest};
-use ember_sandbox::runtime::{AuditFilter, CreateRequest};
+use ember_sandbox::runtime::CreateRequest;
 use ember_sandbox::{Runtime, RuntimeConfig};
 use ember_tests::{runtime_config, template};
 
@@ -61,19 +61,10 @@ fn open(cfg: RuntimeConfig) -> Runtime {
 
 /// How the create of `id` got its VMM: "pool" or "fresh".
 fn vmm_path(rt: &Runtime, id: &str) -> String {
-    let recs = rt
-        .audit(&AuditFilter {
-            sandbox: Some(id.to_string()),
-            call: Some("create".into()),
-            ..Default::default()
-        })
-        .unwrap();
-    let rec = recs
-        .first()
-        .unwrap_or_else(|| panic!("no create record for {id}"));
-    rec.args["vmm"]["path"]
+    let args = ember_tests::create_record_args(rt, id);
+    args["vmm"]["path"]
         .as_str()
-        .unwrap_or_else(|| panic!("create record without vmm.path: {}", rec.args))
+        .unwrap_or_else(|| panic!("create record without vmm.path: {args}"))
         .to_string()
 }
 
