@@ -393,6 +393,15 @@ pub fn template_key(
         "outputs": recipe.outputs,
         "snapshot_format": ember_snapshot::FORMAT_VERSION,
         "cpu_profile": profile,
+        // The command line the VMM boots the template with (base + the profile's options):
+        // a change there changes the guest the snapshot holds.
+        "cmdline": [
+            ember_vmm::vm::DEFAULT_CMDLINE,
+            profile
+                .parse::<ember_vmm::cpu::CpuProfile>()
+                .map(|p| p.cmdline())
+                .unwrap_or(""),
+        ],
         "ember": env!("CARGO_PKG_VERSION"),
     });
     let bytes = serde_json::to_vec(&inputs).map_err(|e| TemplateError::BadRecord {
