@@ -59,6 +59,24 @@ fn open(cfg: RuntimeConfig) -> Runtime {
     Runtime::open(cfg).unwrap_or_else(|e| panic!("runtime: {e}"))
 }
 
+/// How the create of `id` got its first agent connection ("attached": the template's kept one).
+fn agent_link(rt: &Runtime, id: &str) -> String {
+    let recs = rt
+        .audit(&AuditFilter {
+            sandbox: Some(id.to_string()),
+            call: Some("create".into()),
+            ..Default::default()
+        })
+        .unwrap();
+    let rec = recs
+        .first()
+        .unwrap_or_else(|| panic!("no create record for {id}"));
+    rec.args["vmm"]["agent"]["link"]
+        .as_str()
+        .unwrap_or_else(|| panic!("create record without vmm.agent.link: {}", rec.args))
+        .to_string()
+}
+
 /// How the create of `id` got its VMM: "pool" or "fresh".
 fn vmm_path(rt: &Runtime, id: &str) -> String {
     let args = ember_tests::create_record_args(rt, id);
@@ -154,6 +172,9 @@ fn a_pooled_vmm_restores_exactly_like_a_fresh_one_and_is_jailed() {
         .unwrap()
         .id;
     assert_eq!(vmm_path(&rt, &fresh), "fresh");
+    // Both took over the template's kept agent connection.
+    assert_eq!(agent_link(&rt, &pooled), "attached");
+    assert_eq!(agent_link(&rt, &fresh), "attached");
     let a = observe(&rt, &pooled);
     let b = observe(&rt, &fresh);
     assert_eq!(a.0, "42");

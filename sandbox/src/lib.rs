@@ -3,6 +3,7 @@
 //! that owns every sandbox of a host (ids, lifecycle, jails, durable state), the HTTP server
 //! and the pieces the `ember` CLI is made of.
 
+pub mod agent_link;
 pub mod api;
 pub mod client;
 pub mod images;

@@ -5,9 +5,11 @@
 //!
 //! Every call takes a connection from a small pool (opening one costs the guest an `accept`),
 //! so calls from several threads run concurrently, each on its own connection; a connection
-//! that saw an error is dropped, never reused. The first connection sends `sync` (the host's
-//! clock and fresh entropy) before anything else, so clones of one template never share RNG
-//! state or a stale clock.
+//! that saw an error is dropped, never reused. The first connection after a restore is the
+//! idle agent connection the snapshot kept, when it recorded one ([`crate::agent_link`]):
+//! taken over with `ATTACH`, it costs the guest no `accept` and no reset. It sends `sync` (the
+//! host's clock and fresh entropy) before anything else, so clones of one template never share
+//! RNG state or a stale clock.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -22,6 +24,7 @@ pub use ember_agent::client::RunEnd;
 use ember_agent::client::{Client, ClientError, FileWriteOptions};
 use ember_agent::protocol::{self, Call, EndStatus, EventKind};
 
+use crate::agent_link::{self, KeptConnection, Link, LinkMode};
 use crate::paths;
 use crate::template::{Template, AGENT_PORT};
 
@@ -78,6 +81,8 @@ pub struct SandboxOptions {
     /// one-shot tools like `ember run`, so that Ctrl-C leaves no VM behind. Off by default: a
     /// library user's creating thread may end long before the sandbox should.
     pub die_with_parent: bool,
+    /// How the first agent connection is made (default: take over the one the snapshot kept).
+    pub link: LinkMode,
 }
 
 impl Default for SandboxOptions {
@@ -87,6 +92,7 @@ impl Default for SandboxOptions {
             vmm: None,
             connect_timeout: Duration::from_secs(60),
             die_with_parent: false,
+            link: LinkMode::Attach,
         }
     }
 }
@@ -117,6 +123,9 @@ pub struct LaunchSpec {
     pub log: PathBuf,
     /// Kill the VMM when the creating thread exits (see [`SandboxOptions::die_with_parent`]).
     pub die_with_parent: bool,
+    /// The idle agent connection the snapshot kept ([`agent_link::recorded`]): the first
+    /// connection takes it over. `None`: connect anew.
+    pub kept: Option<KeptConnection>,
 }
 
 /// Host paths of a running VMM to take over ([`Sandbox::adopt`]).
@@ -185,7 +194,9 @@ pub struct Sandbox {
     log: PathBuf,
     child: Mutex<Option<Proc>>,
     pidfd: Option<OwnedFd>,
-    pool: Mutex<Vec<AgentClient>>,
+    pool: Mutex<Vec<Pooled>>,
+    /// How the first agent connection was made (`None` for an adopted VMM).
+    link: Option<Link>,
     /// Leave the VMM running when the handle is dropped ([`Sandbox::detach`]).
     detached: std::sync::atomic::AtomicBool,
     template: Option<String>,
@@ -196,16 +207,57 @@ pub struct Sandbox {
     netns: Option<ember_vmm::netns::IsolatedNetns>,
 }
 
+/// An idle agent connection and its host port (which names it to the VMM's `ATTACH`).
+#[derive(Debug)]
+struct Pooled {
+    client: AgentClient,
+    host_port: u32,
+}
+
 /// A pooled connection; goes back to the pool on drop unless a call on it failed.
 struct Conn<'a> {
     sandbox: &'a Sandbox,
-    client: Option<AgentClient>,
+    client: Option<Pooled>,
     healthy: bool,
 }
 
 impl Drop for Conn<'_> {
     fn drop(&mut self) {
         if let (true, Some(c)) = (self.healthy, self.client.take()) {
+            if let Ok(mut pool) = self.sandbox.pool.lock() {
+                if pool.len() < 8 {
+                    pool.push(c);
+                }
+            }
+        }
+    }
+}
+
+/// How long [`Sandbox::hold_connection`] waits for a new connection's `ping` (a guest that
+/// does not answer makes the snapshot go without a kept connection, not wait).
+const HOLD_PING_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// An idle agent connection held out of the pool while a snapshot is taken
+/// ([`Sandbox::hold_connection`]); back to the pool on drop.
+#[derive(Debug)]
+pub struct HeldConnection<'a> {
+    sandbox: &'a Sandbox,
+    conn: Option<Pooled>,
+}
+
+impl HeldConnection<'_> {
+    /// The record a restore attaches with.
+    pub fn kept(&self) -> KeptConnection {
+        KeptConnection {
+            port: AGENT_PORT,
+            host_port: self.conn.as_ref().map(|c| c.host_port).unwrap_or(0),
+        }
+    }
+}
+
+impl Drop for HeldConnection<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.conn.take() {
             if let Ok(mut pool) = self.sandbox.pool.lock() {
                 if pool.len() < 8 {
                     pool.push(c);
@@ -280,6 +332,13 @@ impl Sandbox {
             .arg(dir.join("report.jsonl"))
             .arg("--serial")
             .arg(format!("file:{}", dir.join("console.log").display()));
+        if opts.link == LinkMode::TransportReset {
+            cmd.arg("--vsock-transport-reset");
+        }
+        let kept = match opts.link {
+            LinkMode::Attach => agent_link::recorded(snapshot),
+            LinkMode::Connect | LinkMode::TransportReset => None,
+        };
         // A networked snapshot's VMM opens its TAP by name: outside the runtime (which gives
         // each sandbox a namespace with a policy) it runs in an isolated namespace, which is
         // policy `none`.
@@ -301,6 +360,7 @@ impl Sandbox {
             api,
             log,
             die_with_parent: opts.die_with_parent,
+            kept,
         };
         let mut s = Sandbox::launch(id, spec, opts.connect_timeout)?;
         s.netns = netns;
@@ -321,6 +381,7 @@ impl Sandbox {
             api,
             log,
             die_with_parent,
+            kept,
         } = spec;
         let stderr = std::fs::File::create(&log).map_err(io_err("cannot create", &log))?;
         let t0 = Instant::now();
@@ -352,12 +413,16 @@ impl Sandbox {
             AdoptPaths { dir, uds, api, log },
             t0,
             connect_timeout,
+            kept,
         )
     }
 
     /// Takes over `child`, a VMM this process started (with [`Sandbox::launch`], or ahead of
     /// time by the runtime's warm pool and since told to restore), waits for the guest's agent
-    /// and syncs its clock and entropy. `t0` is when the create began (for
+    /// and syncs its clock and entropy. The first connection is `kept`, the idle connection the
+    /// snapshot kept, when given: taken over with `ATTACH` (no reset, no `accept` in the
+    /// guest); when that fails — the VMM kept no such connection, or it does not answer — a
+    /// log line says so and a new connection is made. `t0` is when the create began (for
     /// [`Sandbox::timings`]). A failure kills the VMM.
     pub fn attach(
         id: String,
@@ -365,6 +430,7 @@ impl Sandbox {
         paths: AdoptPaths,
         t0: Instant,
         connect_timeout: Duration,
+        kept: Option<KeptConnection>,
     ) -> Result<Sandbox, SandboxError> {
         let AdoptPaths { dir, uds, api, log } = paths;
         let pidfd = pidfd_open(child.id() as i32).ok();
@@ -377,6 +443,7 @@ impl Sandbox {
             child: Mutex::new(Some(Proc::Child(child))),
             pidfd,
             pool: Mutex::new(Vec::new()),
+            link: None,
             detached: std::sync::atomic::AtomicBool::new(false),
             template: None,
             timings: CreateTimings::default(),
@@ -386,40 +453,130 @@ impl Sandbox {
         // From here on, a failure kills the VMM (Drop).
         sandbox.wait_socket(t0, connect_timeout)?;
         sandbox.timings.vmm_ready_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let (client, link) = sandbox.first_connection(t0, connect_timeout, kept)?;
+        sandbox.timings.synced_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let host_port = match &link {
+            Link::Attached { host_port }
+            | Link::Connected { host_port }
+            | Link::Fallback { host_port, .. } => *host_port,
+        };
+        sandbox.link = Some(link);
+        sandbox
+            .pool
+            .lock()
+            .map_err(|_| SandboxError::Gone(sandbox.id.clone()))?
+            .push(Pooled { client, host_port });
+        Ok(sandbox)
+    }
+
+    /// Says why the kept connection is not used (once per create: not guest-triggered in
+    /// volume) and returns the reason.
+    fn give_up_kept(&self, reason: String) -> String {
+        tracing::warn!(
+            "sandbox {}: not using the snapshot's kept agent connection: {reason}; connecting anew",
+            self.id
+        );
+        reason
+    }
+
+    /// The first agent connection of a restored VM, synced: the kept one when possible.
+    fn first_connection(
+        &self,
+        t0: Instant,
+        connect_timeout: Duration,
+        mut kept: Option<KeptConnection>,
+    ) -> Result<(AgentClient, Link), SandboxError> {
+        let mut fallback: Option<String> = None;
         // The socket file appears at bind(); until the VMM's listen() a connect is refused.
-        // A restored guest also handles the vsock transport reset the device sends it on
-        // restore: a connection that races with it is reset (handshake refused, or closed
-        // before `sync` is answered). Both are retried until the deadline.
-        // Each refused attempt costs the guest kernel work (slow on kvm_pvm): back off.
+        // Without a kept connection, a restored guest also handles the resets the device sends
+        // it at restore (a transport reset for older snapshots; an RST per connection the
+        // snapshot held, which a plain `CONNECT` also sends for kept ones): a new connection
+        // that races with them is reset (handshake refused, or closed before `sync` is
+        // answered). Both are retried until the deadline. Each refused attempt costs the
+        // guest kernel work (slow on kvm_pvm): back off.
         let mut backoff = Duration::from_millis(1);
-        let client = loop {
-            let left = connect_timeout.saturating_sub(t0.elapsed());
-            let attempt =
-                Client::connect_uds(&sandbox.uds, AGENT_PORT, left.max(Duration::from_secs(1)))
+        loop {
+            let left = connect_timeout
+                .saturating_sub(t0.elapsed())
+                .max(Duration::from_secs(1));
+            let Some(k) = kept else {
+                let attempt = agent_link::connect(&self.uds, AGENT_PORT, left)
                     .map_err(|e| ("connect", e))
-                    .and_then(|mut c| c.sync_now().map(|_| c).map_err(|e| ("sync", e)));
-            match attempt {
-                Ok(c) => break c,
-                Err((_, e)) if transient(&e) && t0.elapsed() < connect_timeout => {
-                    if let Some(message) = sandbox.exited()? {
+                    .and_then(|(mut c, port)| {
+                        c.sync_now().map(|_| (c, port)).map_err(|e| ("sync", e))
+                    });
+                match attempt {
+                    Ok((c, host_port)) => {
+                        let link = match fallback.take() {
+                            Some(reason) => Link::Fallback { host_port, reason },
+                            None => Link::Connected { host_port },
+                        };
+                        return Ok((c, link));
+                    }
+                    Err((_, e)) if transient(&e) && t0.elapsed() < connect_timeout => {
+                        if let Some(message) = self.exited()? {
+                            return Err(SandboxError::Vmm {
+                                id: self.id.clone(),
+                                message,
+                            });
+                        }
+                        std::thread::sleep(backoff);
+                        backoff = (backoff * 2).min(Duration::from_millis(50));
+                        continue;
+                    }
+                    Err((call, source)) => return Err(self.agent_err(call, source)),
+                }
+            };
+            match agent_link::attach(&self.uds, k, left) {
+                Ok((mut c, host_port)) if host_port == k.host_port => {
+                    // Half of what is left for the answer: a kept connection that does not
+                    // answer still leaves time for a new one.
+                    let mut limits = c.limits();
+                    let normal = limits.timeout;
+                    limits.timeout = (left / 2).max(Duration::from_secs(1));
+                    c.set_limits(limits);
+                    match c.sync_now() {
+                        Ok(_) => {
+                            limits.timeout = normal;
+                            c.set_limits(limits);
+                            return Ok((c, Link::Attached { host_port }));
+                        }
+                        Err(e) => {
+                            fallback = Some(self.give_up_kept(format!("sync on it failed: {e}")));
+                            kept = None;
+                        }
+                    }
+                }
+                Ok((c, host_port)) => {
+                    // The VMM had no such connection and made a new one; the next attempt
+                    // connects with `CONNECT`, which also resets what the snapshot kept.
+                    drop(c);
+                    fallback = Some(self.give_up_kept(format!(
+                        "the VMM kept no connection with host port {} (it answered {host_port})",
+                        k.host_port
+                    )));
+                    kept = None;
+                }
+                Err(ClientError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::ConnectionRefused
+                        && t0.elapsed() < connect_timeout =>
+                {
+                    // Not listening yet (a kept connection is answered at once).
+                    if let Some(message) = self.exited()? {
                         return Err(SandboxError::Vmm {
-                            id: sandbox.id.clone(),
+                            id: self.id.clone(),
                             message,
                         });
                     }
                     std::thread::sleep(backoff);
                     backoff = (backoff * 2).min(Duration::from_millis(50));
                 }
-                Err((call, source)) => return Err(sandbox.agent_err(call, source)),
+                Err(e) => {
+                    fallback = Some(self.give_up_kept(format!("ATTACH failed: {e}")));
+                    kept = None;
+                }
             }
-        };
-        sandbox.timings.synced_ms = t0.elapsed().as_secs_f64() * 1e3;
-        sandbox
-            .pool
-            .lock()
-            .map_err(|_| SandboxError::Gone(sandbox.id.clone()))?
-            .push(client);
-        Ok(sandbox)
+        }
     }
 
     /// Takes over a running VMM that another process started (a restarted server
@@ -443,6 +600,7 @@ impl Sandbox {
             child: Mutex::new(Some(Proc::Adopted { pid, pidfd })),
             pidfd: Some(watch),
             pool: Mutex::new(Vec::new()),
+            link: None,
             detached: std::sync::atomic::AtomicBool::new(false),
             template: None,
             timings: CreateTimings::default(),
@@ -552,8 +710,12 @@ impl Sandbox {
                         message,
                     });
                 }
-                Client::connect_uds(&self.uds, AGENT_PORT, Duration::from_secs(30))
-                    .map_err(|source| self.agent_err("connect", source))?
+                // `CONNECT` also resets what the snapshot kept and nobody attached to (the
+                // guest's workers blocked on those go back to accepting).
+                let (client, host_port) =
+                    agent_link::connect(&self.uds, AGENT_PORT, Duration::from_secs(30))
+                        .map_err(|source| self.agent_err("connect", source))?;
+                Pooled { client, host_port }
             }
         };
         Ok(Conn {
@@ -572,7 +734,7 @@ impl Sandbox {
     ) -> Result<EndStatus, SandboxError> {
         let mut conn = self.conn()?;
         let name = call.type_name();
-        let client = conn.client.as_mut().expect("client present");
+        let client = &mut conn.client.as_mut().expect("client present").client;
         match client.call(call, timeout, &mut on_event) {
             Ok(status) => Ok(status),
             Err(e) => {
@@ -590,7 +752,7 @@ impl Sandbox {
         f: impl FnOnce(&mut AgentClient) -> Result<T, ClientError>,
     ) -> Result<T, SandboxError> {
         let mut conn = self.conn()?;
-        let client = conn.client.as_mut().expect("client present");
+        let client = &mut conn.client.as_mut().expect("client present").client;
         match f(client) {
             Ok(v) => Ok(v),
             Err(e) => {
@@ -886,11 +1048,52 @@ impl Sandbox {
         &self.api
     }
 
+    /// How the first agent connection after the restore was made (`None` for a VMM taken
+    /// over with [`Sandbox::adopt`]).
+    pub fn link(&self) -> Option<&Link> {
+        self.link.as_ref()
+    }
+
+    /// Holds an idle agent connection aside (from the pool, or a new one answered a `ping`)
+    /// while a snapshot is taken: no call runs on it, so the snapshot keeps it, and
+    /// [`HeldConnection::kept`] is what to record ([`agent_link::record`]) for the restore to
+    /// attach to. It goes back to the pool when dropped.
+    pub fn hold_connection(&self) -> Result<HeldConnection<'_>, SandboxError> {
+        let pooled = self
+            .pool
+            .lock()
+            .map_err(|_| SandboxError::Gone(self.id.clone()))?
+            .pop();
+        let conn = match pooled {
+            // It has answered its last call in full: nothing is in flight on it.
+            Some(p) => p,
+            None => {
+                // A new one must have been accepted and served by the agent to be quiet.
+                let mut conn = self.conn()?;
+                let mut p = conn.client.take().expect("client present");
+                let mut limits = p.client.limits();
+                let normal = limits.timeout;
+                limits.timeout = HOLD_PING_TIMEOUT;
+                p.client.set_limits(limits);
+                p.client.ping().map_err(|e| self.agent_err("ping", e))?;
+                limits.timeout = normal;
+                p.client.set_limits(limits);
+                p
+            }
+        };
+        Ok(HeldConnection {
+            sandbox: self,
+            conn: Some(conn),
+        })
+    }
+
     /// Takes a full snapshot (memory and disk) of the running sandbox into `dir` (which must
-    /// not exist); the sandbox keeps running. [`Sandbox::restore`] continues from it.
+    /// not exist); the sandbox keeps running. [`Sandbox::restore`] continues from it, on the
+    /// idle agent connection held through the snapshot (recorded in `dir`).
     pub fn snapshot(&self, dir: &Path) -> Result<(), SandboxError> {
-        // Connections do not survive a restore; the pool is only good for this VM, which
-        // keeps running, so it stays.
+        // The pool is only good for this VM, which keeps running, so it stays; one idle
+        // connection is held out of it so that the snapshot keeps it quiet.
+        let held = self.hold_connection()?;
         let reply = ember_vmm::api::call(
             &self.api,
             &ember_vmm::api::Request::Snapshot {
@@ -903,14 +1106,13 @@ impl Sandbox {
             id: self.id.clone(),
             message,
         })?;
-        if reply["ok"] == true {
-            Ok(())
-        } else {
-            Err(SandboxError::Vmm {
+        if reply["ok"] != true {
+            return Err(SandboxError::Vmm {
                 id: self.id.clone(),
                 message: format!("snapshot refused: {reply}"),
-            })
+            });
         }
+        agent_link::record(dir, held.kept()).map_err(io_err("cannot write", dir))
     }
 
     /// Stops the VM (its process is killed, its files removed).

@@ -9,12 +9,17 @@
 //! copy-on-write overlay (so the snapshot carries the guest's writes and the shared image is
 //! never written), the agent runs the warm-up — it imports IPython and what the warm-up names
 //! in a *zygote* driver, forks the default context(s) from it and keeps spare contexts ready —
-//! and a full snapshot is taken with the VMM exiting after it. The result is written into a
-//! temporary directory and renamed into place, so a crash never leaves half a template.
+//! and a full snapshot is taken with the VMM exiting after it — while the build still holds its
+//! idle agent connection, which the snapshot keeps and records ([`crate::agent_link`]): every
+//! sandbox's first connection takes it over instead of making a new one. The result is
+//! written into a temporary directory and renamed into place, so a crash never leaves half a
+//! template.
 //!
 //! Layout of `$EMBER_CACHE/templates/`:
 //! - `<key>/template.json` — [`TemplateInfo`]; `<key>/snapshot/` — the VMM snapshot (`state`,
-//!   `memory`, `disk0.overlay`); `<key>/build.log` — the guest console during the build.
+//!   `memory`, `disk0.overlay`) and the kept agent connection's record
+//!   ([`crate::agent_link::RECORD_FILE`]); `<key>/build.log` — the guest console during the
+//!   build.
 //! - `names/<name>` — a symlink to `../<key>`: the latest build of that name.
 
 use std::collections::BTreeMap;
@@ -383,8 +388,11 @@ pub fn template_key(
     recipe: &RootfsManifest,
     profile: &str,
 ) -> Result<String, TemplateError> {
+    // Schema 3: the snapshot keeps the build's idle agent connection (and records it), which
+    // templates of schema 2 did not: they rebuild once, and stay usable meanwhile (restores
+    // of a snapshot without the record connect anew).
     let inputs = serde_json::json!({
-        "schema": 2,
+        "schema": 3,
         "kernel": kernel_id,
         "rootfs": recipe.key,
         "vm": recipe.vm,
@@ -886,8 +894,11 @@ fn build_into(
     )));
 
     let t_warm = Instant::now();
-    let mut client = Client::connect_uds(&uds, AGENT_PORT, Duration::from_secs(30))
-        .map_err(|e| vmm_err(format!("agent connection failed: {e}")))?;
+    // The connection stays open, idle, through the snapshot: the snapshot keeps it and every
+    // sandbox takes it over (its host port names it).
+    let (mut client, host_port) =
+        crate::agent_link::connect(&uds, AGENT_PORT, Duration::from_secs(30))
+            .map_err(|e| vmm_err(format!("agent connection failed: {e}")))?;
     let req = protocol::WarmupRequest {
         code: manifest.warmup.code.clone(),
         contexts: manifest
@@ -951,7 +962,6 @@ fn build_into(
             }
         })?;
     }
-    drop(client);
     let services_ms = t_services.elapsed().as_millis() as u64;
 
     // Let the guest finish what the warm-up left it to do (deferred kernel work after the
@@ -1002,6 +1012,16 @@ fn build_into(
         )));
     }
     let snapshot_ms = t_snap.elapsed().as_millis() as u64;
+    // The connection was idle (its last call answered in full) when the snapshot was taken.
+    drop(client);
+    crate::agent_link::record(
+        &snap,
+        crate::agent_link::KeptConnection {
+            port: AGENT_PORT,
+            host_port,
+        },
+    )
+    .map_err(io_err("cannot write the kept-connection record in", &snap))?;
     // The build's own overlay is in the snapshot (copied); the live one is not needed.
     let _ = std::fs::remove_file(&overlay);
     drop(sockets);

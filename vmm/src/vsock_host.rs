@@ -1,7 +1,9 @@
 //! The host side of the vsock device's Unix-socket protocol, for clients in Rust: connect to
 //! the device's socket and send `CONNECT <port>\n` (a new connection: the guest must accept it)
-//! or `ATTACH <port>\n` (take over a connection to that guest port that the snapshot kept, or
-//! a new one when there is none); the device answers `OK <host port>\n` and the stream is open.
+//! or `ATTACH <port> [<host port>]\n` (take over a connection to that guest port that the
+//! snapshot kept — with a host port, exactly that one —, or a new one when there is none); the
+//! device answers `OK <host port>\n` and the stream is open. The host port in the answer tells
+//! an `ATTACH` client which it got: the kept connection's, or a fresh one.
 
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -22,7 +24,28 @@ pub fn connect(uds: &Path, port: u32, timeout: Duration) -> io::Result<UnixStrea
     handshake(uds, &format!("CONNECT {port}\n"), timeout)
 }
 
+/// [`connect`], also returning the connection's host port (from the `OK` line).
+pub fn connect_port(uds: &Path, port: u32, timeout: Duration) -> io::Result<(UnixStream, u32)> {
+    handshake_port(uds, &format!("CONNECT {port}\n"), timeout)
+}
+
+/// `ATTACH <port> <host_port>`: the kept connection to `port` with exactly that host port,
+/// else a new connection. Returns the stream and the host port it got: `host_port` means the
+/// kept connection, anything else a new one (the guest had to accept it).
+pub fn attach_exact(
+    uds: &Path,
+    port: u32,
+    host_port: u32,
+    timeout: Duration,
+) -> io::Result<(UnixStream, u32)> {
+    handshake_port(uds, &format!("ATTACH {port} {host_port}\n"), timeout)
+}
+
 fn handshake(uds: &Path, line: &str, timeout: Duration) -> io::Result<UnixStream> {
+    handshake_port(uds, line, timeout).map(|(s, _)| s)
+}
+
+fn handshake_port(uds: &Path, line: &str, timeout: Duration) -> io::Result<(UnixStream, u32)> {
     let deadline = Instant::now() + timeout;
     let mut s = UnixStream::connect(uds)?;
     s.set_write_timeout(Some(timeout))?;
@@ -61,18 +84,19 @@ fn handshake(uds: &Path, line: &str, timeout: Duration) -> io::Result<UnixStream
         }
     }
     let text = String::from_utf8_lossy(&reply);
-    let ok = text
+    let host_port = text
         .strip_prefix("OK ")
-        .is_some_and(|n| !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()));
-    if !ok {
+        .filter(|n| !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()))
+        .and_then(|n| n.parse::<u32>().ok());
+    let Some(host_port) = host_port else {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!("unexpected reply {text:?} to {:?}", line.trim_end()),
         ));
-    }
+    };
     s.set_read_timeout(None)?;
     s.set_write_timeout(None)?;
-    Ok(s)
+    Ok((s, host_port))
 }
 
 #[cfg(test)]
@@ -101,6 +125,22 @@ mod tests {
         let mut rest = [0u8; 4];
         s.read_exact(&mut rest).unwrap();
         assert_eq!(&rest, b"rest");
+    }
+
+    #[test]
+    fn the_host_port_comes_back() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("v.sock");
+        let l = UnixListener::bind(&p).unwrap();
+        std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut line = [0u8; 16];
+            s.read_exact(&mut line).unwrap();
+            assert_eq!(&line, b"ATTACH 1024 777\n");
+            s.write_all(b"OK 777\n").unwrap();
+        });
+        let (_s, port) = attach_exact(&p, 1024, 777, Duration::from_secs(5)).unwrap();
+        assert_eq!(port, 777);
     }
 
     #[test]

@@ -6,7 +6,13 @@
 //!   entropy) and then `run_code('1+1')` answered with its result.
 //!
 //! The two alternate run by run, so a noisy host hurts both alike; their ratio is the figure
-//! (goal: first result within 2× bare restore → ping). Then, on one sandbox, the `run_code`
+//! (goal: first result within 2× bare restore → ping). Both are measured for each `--vsock`
+//! mode, also alternating: `attach` (the first connection takes over the idle agent connection
+//! the template's snapshot kept: no reset, no `accept` in the guest), `connect` (a new
+//! connection, as before kept connections: the guest resets the kept one and accepts) and
+//! `reset` (the VMM restores with `--vsock-transport-reset`). For each, KVM's counters from
+//! the restore to the ping's answer and to the first result (the VMM's `stats`: exits,
+//! `pf_fixed`, `pf_guest` ≈ guest syscalls on kvm_pvm). Then, on one sandbox, the `run_code`
 //! round trip of a trivial statement, and the guest page faults one trivial `run_code` costs
 //! in the agent (PID 1) and the context's driver, read from `/proc/PID/stat` (minflt + majflt)
 //! around a batch of calls, less the same reads around nothing.
@@ -19,6 +25,7 @@ use clap::Args;
 use ember_agent::client::Client;
 use ember_agent::protocol::{EndStatus, EventKind, ExecRequest, RunCodeRequest};
 use ember_benches::stats::{summarize, Summary};
+use ember_sandbox::agent_link::{self, LinkMode};
 use ember_sandbox::template::{Template, AGENT_PORT};
 use ember_sandbox::{Sandbox, SandboxOptions};
 
@@ -39,11 +46,40 @@ pub struct BenchSandboxArgs {
     /// JSON lines only.
     #[arg(long)]
     pub json: bool,
+    /// How restored guests get their first agent connection, each measured in turn:
+    /// `attach` (the kept connection), `connect` (a new one), `reset` (transport reset).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![LinkMode::Attach, LinkMode::Connect])]
+    pub vsock: Vec<LinkMode>,
 }
 
-fn bare_restore_ping(t: &Template, vmm: &std::path::Path) -> Result<f64, String> {
+/// KVM counters (per vCPU, summed) reported from the restore to an answer.
+const COUNTERS: &[&str] = &[
+    "exits",
+    "pf_fixed",
+    "pf_guest",
+    "irq_injections",
+    "insn_emulation",
+];
+
+/// The VMM's KVM counters now (its `stats` request on `api`).
+fn kvm_counts(api: &std::path::Path) -> Option<std::collections::BTreeMap<String, u64>> {
+    let r = ember_vmm::api::call(api, &ember_vmm::api::Request::Stats).ok()?;
+    serde_json::from_value(r["stats"]["kvm"]["vcpu"].clone()).ok()
+}
+
+/// One bare restore: spawn → the agent's `ping` answered (ms), and KVM's counters then.
+fn bare_restore_ping(
+    t: &Template,
+    vmm: &std::path::Path,
+    mode: LinkMode,
+) -> Result<(f64, Option<std::collections::BTreeMap<String, u64>>), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let uds = dir.path().join("vsock");
+    let api = dir.path().join("api.sock");
+    let kept = match mode {
+        LinkMode::Attach => agent_link::recorded(&t.snapshot_dir()),
+        _ => None,
+    };
     // A networked template's TAP, in an isolated namespace made before the clock starts.
     let netns = ember_vmm::netns::for_snapshot(&t.snapshot_dir())?;
     let mut command = Command::new(vmm);
@@ -60,6 +96,9 @@ fn bare_restore_ping(t: &Template, vmm: &std::path::Path) -> Result<f64, String>
         .arg(dir.path().join("root.overlay"))
         .arg("--serial")
         .arg("none")
+        .arg("--api-sock")
+        .arg(&api)
+        .args((mode == LinkMode::TransportReset).then_some("--vsock-transport-reset"))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -77,7 +116,11 @@ fn bare_restore_ping(t: &Template, vmm: &std::path::Path) -> Result<f64, String>
         }
         // Refused until the VMM's listen() follows the bind() that made the file.
         let mut c = loop {
-            match Client::connect_uds(&uds, AGENT_PORT, Duration::from_secs(60)) {
+            let attempt = match kept {
+                Some(k) => agent_link::attach(&uds, k, Duration::from_secs(60)).map(|(c, _)| c),
+                None => Client::connect_uds(&uds, AGENT_PORT, Duration::from_secs(60)),
+            };
+            match attempt {
                 Ok(c) => break c,
                 Err(ember_agent::client::ClientError::Io { source, .. })
                     if source.kind() == std::io::ErrorKind::ConnectionRefused
@@ -89,35 +132,51 @@ fn bare_restore_ping(t: &Template, vmm: &std::path::Path) -> Result<f64, String>
             }
         };
         c.ping().map_err(|e| e.to_string())?;
-        Ok(t0.elapsed().as_secs_f64() * 1e3)
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        Ok((ms, kvm_counts(&api)))
     })();
     let _ = child.kill();
     let _ = child.wait();
     result
 }
 
-/// One sandbox: (spawn → synced, spawn → first `1+1` result, `context_create` python,
-/// `context_create` bash), milliseconds.
-fn first_result(t: &Template, vmm: &std::path::Path) -> Result<[f64; 4], String> {
+/// What one sandbox measured.
+struct First {
+    /// Spawn → synced, spawn → first `1+1` result, `context_create` python and bash (ms).
+    ms: [f64; 4],
+    /// KVM's counters at the first result.
+    counts: Option<std::collections::BTreeMap<String, u64>>,
+    /// Whether the first connection was the kept one.
+    attached: bool,
+}
+
+fn first_result(t: &Template, vmm: &std::path::Path, mode: LinkMode) -> Result<First, String> {
     let t0 = Instant::now();
     let opts = SandboxOptions {
         vmm: Some(vmm.to_path_buf()),
+        link: mode,
         ..Default::default()
     };
     let sb = Sandbox::create(t, &opts).map_err(|e| e.to_string())?;
     let synced = t0.elapsed().as_secs_f64() * 1e3;
     let x = sb.run("1+1").map_err(|e| e.to_string())?;
     let total = t0.elapsed().as_secs_f64() * 1e3;
+    let counts = kvm_counts(sb.api_socket());
     if x.text() != Some("2") {
         return Err(format!("1+1 gave {:?}", x.text()));
     }
+    let attached = sb.link().is_some_and(|l| l.attached());
     let mut ctx = [0.0; 2];
     for (i, lang) in ["python", "bash"].into_iter().enumerate() {
         let t1 = Instant::now();
         sb.context_create(lang, None).map_err(|e| e.to_string())?;
         ctx[i] = t1.elapsed().as_secs_f64() * 1e3;
     }
-    Ok([synced, total, ctx[0], ctx[1]])
+    Ok(First {
+        ms: [synced, total, ctx[0], ctx[1]],
+        counts,
+        attached,
+    })
 }
 
 /// minflt + majflt of guest process `pid`, read through the file API.
@@ -205,8 +264,35 @@ fn traced_syscalls(sb: &Sandbox, pid: i64, k: u64, req: &RunCodeRequest) -> Resu
 
 struct Row {
     template: String,
-    measure: &'static str,
+    measure: String,
     summary: Summary,
+}
+
+/// Samples of one `--vsock` mode.
+#[derive(Default)]
+struct ModeSamples {
+    ping: Vec<f64>,
+    synced: Vec<f64>,
+    first: Vec<f64>,
+    ctx_py: Vec<f64>,
+    ctx_bash: Vec<f64>,
+    /// Counter → values at the ping's answer.
+    ping_counts: std::collections::BTreeMap<String, Vec<f64>>,
+    /// Counter → values at the first result.
+    first_counts: std::collections::BTreeMap<String, Vec<f64>>,
+    /// Creates whose first connection was the kept one.
+    attached: usize,
+}
+
+fn push_counts(
+    into: &mut std::collections::BTreeMap<String, Vec<f64>>,
+    counts: Option<std::collections::BTreeMap<String, u64>>,
+) {
+    for (k, v) in counts.unwrap_or_default() {
+        if COUNTERS.contains(&k.as_str()) {
+            into.entry(k).or_default().push(v as f64);
+        }
+    }
 }
 
 /// Runs the benchmark.
@@ -222,23 +308,36 @@ pub fn main(a: BenchSandboxArgs) -> ExitCode {
             Ok(t) => t,
             Err(e) => return fail(e),
         };
-        let (mut ping, mut synced, mut first) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut ctx_py, mut ctx_bash) = (Vec::new(), Vec::new());
+        let modes = a.vsock.clone();
+        let mut per_mode: Vec<ModeSamples> = modes.iter().map(|_| ModeSamples::default()).collect();
+        if modes.contains(&LinkMode::Attach) && agent_link::recorded(&t.snapshot_dir()).is_none() {
+            eprintln!(
+                "{name}: the template's snapshot records no kept agent connection (built \
+                 before they existed?): `attach` connects anew"
+            );
+        }
         for i in 0..a.warmup + a.n {
-            let p = match bare_restore_ping(&t, &vmm) {
-                Ok(v) => v,
-                Err(e) => return fail(format!("{name}: bare restore: {e}")),
-            };
-            let [s, f, cp, cb] = match first_result(&t, &vmm) {
-                Ok(v) => v,
-                Err(e) => return fail(format!("{name}: first run_code: {e}")),
-            };
-            if i >= a.warmup {
-                ping.push(p);
-                synced.push(s);
-                first.push(f);
-                ctx_py.push(cp);
-                ctx_bash.push(cb);
+            // Modes alternate run by run (a noisy host hurts them alike).
+            for (m, &mode) in modes.iter().enumerate() {
+                let (p, pc) = match bare_restore_ping(&t, &vmm, mode) {
+                    Ok(v) => v,
+                    Err(e) => return fail(format!("{name}: bare restore ({mode}): {e}")),
+                };
+                let f = match first_result(&t, &vmm, mode) {
+                    Ok(v) => v,
+                    Err(e) => return fail(format!("{name}: first run_code ({mode}): {e}")),
+                };
+                if i >= a.warmup {
+                    let s = &mut per_mode[m];
+                    s.ping.push(p);
+                    s.synced.push(f.ms[0]);
+                    s.first.push(f.ms[1]);
+                    s.ctx_py.push(f.ms[2]);
+                    s.ctx_bash.push(f.ms[3]);
+                    push_counts(&mut s.ping_counts, pc);
+                    push_counts(&mut s.first_counts, f.counts);
+                    s.attached += usize::from(f.attached);
+                }
             }
             if !a.json {
                 eprint!("\r{name}: {}/{}   ", i + 1, a.warmup + a.n);
@@ -321,21 +420,43 @@ pub fn main(a: BenchSandboxArgs) -> ExitCode {
             Err(_) => None,
         };
         let _ = sb.kill();
-        for (measure, samples) in [
-            ("bare restore → ping", &ping),
-            ("restore → synced", &synced),
-            ("restore → first run_code result", &first),
-            ("run_code round trip (x = 1)", &rtt),
-            ("context_create python (spare)", &ctx_py),
-            ("context_create bash (spare)", &ctx_bash),
-        ] {
-            if let Some(summary) = summarize(samples) {
-                rows.push(Row {
-                    template: name.clone(),
-                    measure,
-                    summary,
-                });
+        for (mode, s) in modes.iter().zip(&per_mode) {
+            for (measure, samples) in [
+                ("bare restore → ping", &s.ping),
+                ("restore → synced", &s.synced),
+                ("restore → first run_code result", &s.first),
+                ("context_create python (spare)", &s.ctx_py),
+                ("context_create bash (spare)", &s.ctx_bash),
+            ] {
+                if let Some(summary) = summarize(samples) {
+                    rows.push(Row {
+                        template: name.clone(),
+                        measure: format!("{measure} [{mode}]"),
+                        summary,
+                    });
+                }
             }
+            let median = |v: &Vec<f64>| summarize(v).map(|s| s.median_ms);
+            let counts = |m: &std::collections::BTreeMap<String, Vec<f64>>| {
+                m.iter()
+                    .map(|(k, v)| (k.clone(), serde_json::json!(median(v))))
+                    .collect::<serde_json::Map<_, _>>()
+            };
+            extra.push(serde_json::json!({
+                "template": name,
+                "vsock": mode.to_string(),
+                "attached_creates": s.attached,
+                "creates": s.first.len(),
+                "kvm_median_restore_to_ping": counts(&s.ping_counts),
+                "kvm_median_restore_to_first_result": counts(&s.first_counts),
+            }));
+        }
+        if let Some(summary) = summarize(&rtt) {
+            rows.push(Row {
+                template: name.clone(),
+                measure: "run_code round trip (x = 1)".into(),
+                summary,
+            });
         }
         extra.push(serde_json::json!({
             "template": name,
@@ -358,13 +479,19 @@ pub fn main(a: BenchSandboxArgs) -> ExitCode {
     }
     if !a.json {
         println!(
-            "\n{:<14} {:<34} {:>4} {:>10} {:>10} {:>10}",
+            "\n{:<14} {:<44} {:>4} {:>10} {:>10} {:>8}",
             "template", "measure", "n", "median ms", "p95 ms", "vs ping"
         );
         for r in &rows {
+            // Against the bare restore of the same mode (the mode is the bracketed suffix).
+            let mode = r.measure.rsplit_once(" [").map(|(_, m)| m).unwrap_or("");
             let base = rows
                 .iter()
-                .find(|b| b.template == r.template && b.measure == "bare restore → ping")
+                .find(|b| {
+                    b.template == r.template
+                        && b.measure.starts_with("bare restore → ping")
+                        && b.measure.ends_with(&format!("[{mode}"))
+                })
                 .map(|b| b.summary.median_ms)
                 .unwrap_or(f64::NAN);
             let ratio = if r.measure.starts_with("restore") || r.measure.starts_with("bare") {
@@ -373,13 +500,25 @@ pub fn main(a: BenchSandboxArgs) -> ExitCode {
                 "-".into()
             };
             println!(
-                "{:<14} {:<34} {:>4} {:>10.2} {:>10.2} {:>10}",
+                "{:<14} {:<44} {:>4} {:>10.2} {:>10.2} {:>8}",
                 r.template, r.measure, r.summary.n, r.summary.median_ms, r.summary.p95_ms, ratio
             );
         }
     }
     if !a.json {
         for e in &extra {
+            if let Some(mode) = e["vsock"].as_str() {
+                println!(
+                    "{} [{mode}]: {}/{} first connections attached; KVM counters (median) \
+                     restore → ping {} ; restore → first result {}",
+                    e["template"].as_str().unwrap_or("?"),
+                    e["attached_creates"],
+                    e["creates"],
+                    e["kvm_median_restore_to_ping"],
+                    e["kvm_median_restore_to_first_result"]
+                );
+                continue;
+            }
             println!(
                 "{}: per trivial run_code in the guest: page faults {} ; syscalls {}",
                 e["template"].as_str().unwrap_or("?"),

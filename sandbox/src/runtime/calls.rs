@@ -199,6 +199,23 @@ impl Runtime {
         self.audited(id, call, args, |vm, _| f(&vm.sandbox))
     }
 
+    /// The VMM's own counters (its `stats` request): KVM's counters since the VM was
+    /// restored (`kvm`: exits, `pf_fixed`, `pf_guest`...), the vsock device's (`vsock`:
+    /// `transport_resets`, `restore_resets`, `preserved_attached`, ...), memory.
+    pub fn vmm_stats(&self, id: &str) -> Result<serde_json::Value, RuntimeError> {
+        self.audited(id, "vmm_stats", serde_json::json!({}), |vm, _| {
+            let reply =
+                ember_vmm::api::call(vm.sandbox.api_socket(), &ember_vmm::api::Request::Stats)
+                    .map_err(|e| RuntimeError::Internal(format!("sandbox {id}: stats: {e}")))?;
+            if reply["ok"] != true {
+                return Err(RuntimeError::Internal(format!(
+                    "sandbox {id}: stats refused: {reply}"
+                )));
+            }
+            Ok(reply["stats"].clone())
+        })
+    }
+
     fn row_env(&self, id: &str) -> std::collections::BTreeMap<String, String> {
         self.get(id).map(|i| i.env).unwrap_or_default()
     }

@@ -129,6 +129,8 @@ pub struct StartSpec<'a> {
     pub limits: CgroupLimits,
     /// The network namespace to run in.
     pub net: Option<Arc<crate::netpolicy::SandboxNet>>,
+    /// The idle agent connection the snapshot kept, to take over.
+    pub kept: Option<crate::agent_link::KeptConnection>,
 }
 
 /// Reads the disks of a snapshot: from [`DISKS_FILE`] when the runtime wrote one, else from
@@ -248,6 +250,7 @@ pub fn start(
         api: launch.api_sock_host.clone(),
         log,
         die_with_parent: false,
+        kept: spec.kept,
     };
     match Sandbox::launch(spec.id.to_string(), ls, cfg.connect_timeout) {
         Ok(sandbox) => Ok(Live {

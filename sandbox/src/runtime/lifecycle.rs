@@ -343,6 +343,9 @@ impl Runtime {
         };
         let t0 = Instant::now();
         let limits = self.limits(&row.resources);
+        // The idle agent connection the snapshot kept (template build, pause, fork, named
+        // snapshot): the sandbox's first connection takes it over.
+        let kept = crate::agent_link::recorded(dir);
         // A policy other than `none` needs the template's network device.
         let none = row.network.policy.mode == NetMode::None;
         let warm = (from == State::Creating)
@@ -354,8 +357,8 @@ impl Runtime {
             .flatten();
         let pooled = warm.is_some();
         let started = match warm {
-            Some(w) => self.start_pooled(w, &row, t0),
-            None => self.start_fresh(dir, &row),
+            Some(w) => self.start_pooled(w, &row, t0, kept),
+            None => self.start_fresh(dir, &row, kept),
         };
         let (uid, jail_id, started) = match started {
             Ok((uid, live)) => (Some(uid), live.jail.id.clone(), Ok(live)),
@@ -427,6 +430,7 @@ impl Runtime {
         &self,
         dir: &Path,
         row: &SandboxRow,
+        kept: Option<crate::agent_link::KeptConnection>,
     ) -> Result<(u32, Live), (RuntimeError, Option<u32>)> {
         let uid = self.alloc_uid().map_err(|e| (e, None))?;
         let jail_id = format!("{}-{}", row.id, &crate::paths::random_id()[..6]);
@@ -443,6 +447,7 @@ impl Runtime {
                     disks: &disks,
                     limits: self.limits(&row.resources),
                     net: net.clone(),
+                    kept,
                 };
                 jailed::start(&self.inner.cfg, &self.inner.bins, &spec).inspect_err(|_| {
                     if let Some(n) = &net {
@@ -461,6 +466,7 @@ impl Runtime {
         w: super::pooled::WarmVmm,
         row: &SandboxRow,
         t0: Instant,
+        kept: Option<crate::agent_link::KeptConnection>,
     ) -> Result<(u32, Live), (RuntimeError, Option<u32>)> {
         let uid = w.uid;
         if let Some(net) = &w.net {
@@ -483,7 +489,7 @@ impl Runtime {
             }
         }
         let state = self.inner.cfg.sandbox_dir(&row.id);
-        w.claim(&row.id, &state, t0, self.inner.cfg.connect_timeout)
+        w.claim(&row.id, &state, t0, self.inner.cfg.connect_timeout, kept)
             .map(|live| (uid, live))
             .map_err(|(e, uid, net)| {
                 if let Some(n) = &net {
@@ -533,6 +539,9 @@ impl Runtime {
             "restore_ms": restore_ms,
             "synced_ms": vm.sandbox.timings().synced_ms,
             "queued_ms": vm.sandbox.timings().queued_ms,
+            // How the first agent connection was made: `attached` (the snapshot's kept
+            // connection), `connected` (none recorded) or `fallback` (with the reason).
+            "agent": vm.sandbox.link(),
         }))
     }
 
@@ -827,6 +836,20 @@ impl Runtime {
         let name = format!("snap-{}", &crate::paths::random_id()[..8]);
         let in_jail = PathBuf::from("/work").join(&name);
         let host = vm.host_path(&format!("/work/{name}"));
+        // One idle agent connection is held out of the pool through the snapshot, so that the
+        // snapshot keeps it with nothing in flight; restores of it take it over. Without one
+        // (the agent does not answer) the snapshot is taken all the same and its restores
+        // connect anew.
+        let held = match vm.sandbox.hold_connection() {
+            Ok(h) => Some(h),
+            Err(e) => {
+                tracing::info!(
+                    "sandbox {}: snapshot without a kept agent connection: {e}",
+                    row.id
+                );
+                None
+            }
+        };
         let reply = ember_vmm::api::call(
             vm.sandbox.api_socket(),
             &ember_vmm::api::Request::Snapshot {
@@ -852,6 +875,12 @@ impl Runtime {
             let _ = std::fs::remove_dir_all(&host);
         }
         jailed::write_disks(dest, &vm.disks)?;
+        if let Some(h) = held {
+            crate::agent_link::record(dest, h.kept()).map_err(RuntimeError::io(
+                "cannot write the kept-connection record in",
+                dest,
+            ))?;
+        }
         let meta = SnapshotMeta {
             env: row.env.clone(),
             outputs: row.outputs.clone(),

@@ -264,7 +264,8 @@ impl WarmVmm {
     }
 
     /// Restores the snapshot in it and attaches to it as sandbox `id`, whose host directory
-    /// is `state` (its launcher log moves there). On failure the VMM is killed and its jail
+    /// is `state` (its launcher log moves there), taking over `kept` (the idle agent
+    /// connection the snapshot kept) when given. On failure the VMM is killed and its jail
     /// released; the uid and namespace are the caller's to free (returned with the error).
     pub(super) fn claim(
         self,
@@ -272,6 +273,7 @@ impl WarmVmm {
         state: &Path,
         t0: Instant,
         connect_timeout: Duration,
+        kept: Option<crate::agent_link::KeptConnection>,
     ) -> Result<Live, (RuntimeError, u32, Option<Arc<SandboxNet>>)> {
         let WarmVmm {
             jail_id: _,
@@ -324,7 +326,7 @@ impl WarmVmm {
             api: sock.clone(),
             log,
         };
-        match Sandbox::attach(id.to_string(), child, paths, t0, connect_timeout) {
+        match Sandbox::attach(id.to_string(), child, paths, t0, connect_timeout, kept) {
             Ok(sandbox) => {
                 let _ = std::fs::remove_dir_all(&pool_state);
                 Ok(Live {

@@ -376,8 +376,13 @@ impl Muxer {
             }
         }
         let line = unix::parse_connect_line(&h.buf);
-        if let ConnectLine::Attach { port, consumed } = line {
-            if !eof && self.attach(fd, port, consumed) {
+        if let ConnectLine::Attach {
+            port,
+            host_port,
+            consumed,
+        } = line
+        {
+            if !eof && self.attach(fd, port, host_port, consumed) {
                 return;
             }
         }
@@ -388,7 +393,8 @@ impl Muxer {
         }
         match line {
             ConnectLine::Incomplete if !eof => {}
-            ConnectLine::Connect { port, consumed } | ConnectLine::Attach { port, consumed }
+            ConnectLine::Connect { port, consumed }
+            | ConnectLine::Attach { port, consumed, .. }
                 if !eof =>
             {
                 if !active || self.conns.len() >= MAX_CONNECTIONS {
@@ -418,13 +424,18 @@ impl Muxer {
         }
     }
 
-    /// `ATTACH <port>` from the host client on `fd`: hands it a detached connection to guest
-    /// port `port` (the lowest host port first). Returns false when there is none.
-    fn attach(&mut self, fd: RawFd, port: u32, consumed: usize) -> bool {
+    /// `ATTACH <port> [<host port>]` from the host client on `fd`: hands it a detached
+    /// connection to guest port `port` — the one with `host_port` when given, else the lowest
+    /// host port first. Returns false when there is none.
+    fn attach(&mut self, fd: RawFd, port: u32, host_port: Option<u32>, consumed: usize) -> bool {
         let Some(key) = self
             .conns
             .iter()
-            .filter(|(k, c)| k.peer_port == port && c.is_detached())
+            .filter(|(k, c)| {
+                k.peer_port == port
+                    && c.is_detached()
+                    && host_port.is_none_or(|h| k.local_port == h)
+            })
             .map(|(k, _)| *k)
             .min()
         else {
@@ -944,6 +955,48 @@ mod tests {
         let (h, _) = r.next_rx_packet(4096, &mut p, now).unwrap();
         assert_eq!(h.op, op::REQUEST);
         assert_eq!(r.metrics.preserved_attached, 1);
+    }
+
+    #[test]
+    fn attach_with_a_host_port_takes_exactly_that_connection() {
+        let (mut m, d) = muxer();
+        let (_c1, k1) = established(&mut m, &d);
+        let (_c2, k2) = established(&mut m, &d);
+        assert!(k1.local_port < k2.local_port);
+        let saved = m.save_connections();
+        let (mut r, d2) = restored(&saved);
+        let now = Instant::now();
+        // The higher host port, although the lowest would be the default.
+        let mut c = UnixStream::connect(d2.path().join("v.sock")).unwrap();
+        c.write_all(format!("ATTACH 52 {}\nping", k2.local_port).as_bytes())
+            .unwrap();
+        r.accept(true, now);
+        let expect = format!("OK {}\n", k2.local_port);
+        let mut got = vec![0u8; expect.len()];
+        c.read_exact(&mut got).unwrap();
+        assert_eq!(String::from_utf8_lossy(&got), expect);
+        let mut p = Vec::new();
+        let (h, k) = r.next_rx_packet(4096, &mut p, now).unwrap();
+        assert_eq!((h.op, k), (op::RW, Some(k2)));
+        assert_eq!(r.detached_count(), 1);
+        // A host port that was not kept: a new connection; the other kept one stays.
+        let mut c3 = UnixStream::connect(d2.path().join("v.sock")).unwrap();
+        c3.write_all(format!("ATTACH 52 {}\n", k2.local_port).as_bytes())
+            .unwrap();
+        r.accept(true, now);
+        let (h, _) = r.next_rx_packet(4096, &mut p, now).unwrap();
+        assert_eq!((h.op, h.dst_port), (op::REQUEST, 52));
+        assert_eq!(r.detached_count(), 1);
+        assert_eq!(r.metrics.preserved_attached, 1);
+        // A plain CONNECT resets the kept one but not the attached one.
+        let mut c4 = UnixStream::connect(d2.path().join("v.sock")).unwrap();
+        c4.write_all(b"CONNECT 52\n").unwrap();
+        r.accept(true, now);
+        assert_eq!(r.detached_count(), 0);
+        assert_eq!(r.metrics.preserved_dropped, 1);
+        let (h, k) = r.next_rx_packet(4096, &mut p, now).unwrap();
+        assert_eq!((h.op, h.src_port, k), (op::RST, k1.local_port, None));
+        assert!(r.conns.contains_key(&k2));
     }
 
     #[test]

@@ -8,7 +8,8 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 
-/// Longest `CONNECT <port>\n` line accepted from a host client.
+/// Longest `CONNECT <port>\n` line accepted from a host client (`ATTACH <port> <host port>\r\n`
+/// with two 10-digit numbers is 30 bytes).
 pub const MAX_CONNECT_LINE: usize = 32;
 
 /// A listening socket this device created, with the identity of its file so that only that
@@ -146,11 +147,14 @@ pub enum ConnectLine {
         /// Length of the line including `\n`.
         consumed: usize,
     },
-    /// `ATTACH <port>`: take over a connection to that guest port kept by the snapshot this
-    /// device was restored from, or else connect as `CONNECT` does.
+    /// `ATTACH <port>` or `ATTACH <port> <host port>`: take over a connection to that guest
+    /// port kept by the snapshot this device was restored from (with `host_port`, exactly the
+    /// one with that host port), or else connect as `CONNECT` does.
     Attach {
         /// The guest port.
         port: u32,
+        /// The kept connection's host port, when the client names one.
+        host_port: Option<u32>,
         /// Length of the line including `\n`.
         consumed: usize,
     },
@@ -158,8 +162,8 @@ pub enum ConnectLine {
     Invalid,
 }
 
-/// Parses `CONNECT <port>\n` or `ATTACH <port>\n` (a `\r` before the newline is tolerated)
-/// from the start of `buf`.
+/// Parses `CONNECT <port>\n`, `ATTACH <port>\n` or `ATTACH <port> <host port>\n` (a `\r`
+/// before the newline is tolerated) from the start of `buf`.
 pub fn parse_connect_line(buf: &[u8]) -> ConnectLine {
     let Some(nl) = buf.iter().position(|&b| b == b'\n') else {
         return if buf.len() >= MAX_CONNECT_LINE {
@@ -173,31 +177,38 @@ pub fn parse_connect_line(buf: &[u8]) -> ConnectLine {
     }
     let line = &buf[..nl];
     let line = line.strip_suffix(b"\r").unwrap_or(line);
-    let (attach, port) = match (
-        line.strip_prefix(b"CONNECT "),
-        line.strip_prefix(b"ATTACH "),
-    ) {
-        (Some(port), _) => (false, port),
-        (None, Some(port)) => (true, port),
-        (None, None) => return ConnectLine::Invalid,
-    };
-    if port.is_empty() || !port.iter().all(u8::is_ascii_digit) {
+    let consumed = nl + 1;
+    if let Some(port) = line.strip_prefix(b"CONNECT ") {
+        return match decimal(port) {
+            Some(port) => ConnectLine::Connect { port, consumed },
+            None => ConnectLine::Invalid,
+        };
+    }
+    let Some(rest) = line.strip_prefix(b"ATTACH ") else {
         return ConnectLine::Invalid;
-    }
-    match std::str::from_utf8(port)
-        .ok()
-        .and_then(|s| s.parse::<u32>().ok())
-    {
-        Some(port) if attach => ConnectLine::Attach {
+    };
+    let mut words = rest.splitn(2, |&b| b == b' ');
+    let port = words.next().and_then(decimal);
+    let host_port = match words.next() {
+        None => Some(None),
+        Some(w) => decimal(w).map(Some),
+    };
+    match (port, host_port) {
+        (Some(port), Some(host_port)) => ConnectLine::Attach {
             port,
-            consumed: nl + 1,
+            host_port,
+            consumed,
         },
-        Some(port) => ConnectLine::Connect {
-            port,
-            consumed: nl + 1,
-        },
-        None => ConnectLine::Invalid,
+        _ => ConnectLine::Invalid,
     }
+}
+
+/// A `u32` written as plain ASCII digits (no sign, no spaces, not empty).
+fn decimal(s: &[u8]) -> Option<u32> {
+    if s.is_empty() || !s.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(s).ok()?.parse().ok()
 }
 
 #[cfg(test)]
@@ -226,7 +237,16 @@ mod tests {
             parse_connect_line(b"ATTACH 1024\n"),
             ConnectLine::Attach {
                 port: 1024,
+                host_port: None,
                 consumed: 12
+            }
+        );
+        assert_eq!(
+            parse_connect_line(b"ATTACH 4294967295 4294967295\r\nrest"),
+            ConnectLine::Attach {
+                port: u32::MAX,
+                host_port: Some(u32::MAX),
+                consumed: 30
             }
         );
         assert_eq!(parse_connect_line(b""), ConnectLine::Incomplete);
@@ -241,6 +261,11 @@ mod tests {
             b"ATTACH\n",
             b"ATTACH x\n",
             b"attach 5\n",
+            b"ATTACH 5 \n",
+            b"ATTACH 5  6\n",
+            b"ATTACH 5 6 7\n",
+            b"ATTACH 5 x\n",
+            b"ATTACH 5 4294967296\n",
             &[b'1'; 40],
         ] {
             assert_eq!(parse_connect_line(bad), ConnectLine::Invalid, "{bad:?}");
