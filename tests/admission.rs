@@ -5,7 +5,6 @@
 
 use std::sync::Arc;
 
-use ember_agent::protocol::{EventKind, RunCodeRequest};
 use ember_sandbox::runtime::CreateRequest;
 use ember_sandbox::Runtime;
 use ember_tests::{runtime_config, template};
@@ -35,22 +34,7 @@ fn creates_beyond_the_start_limit_wait_in_line_and_all_answer() {
     let ids: Vec<String> = threads.into_iter().map(|t| t.join().unwrap()).collect();
     let mut queued = Vec::new();
     for id in &ids {
-        let mut text = None;
-        let req = RunCodeRequest {
-            code: "6 * 7".into(),
-            ..Default::default()
-        };
-        rt.run_code(id, &req, &mut |ev| {
-            if let EventKind::Result(r) = ev {
-                text = r
-                    .data
-                    .get("text/plain")
-                    .and_then(|v| v.as_str())
-                    .map(str::to_owned);
-            }
-            true
-        })
-        .unwrap_or_else(|e| panic!("run_code in {id}: {e}"));
+        let (_, _, text) = ember_tests::run_code(&rt, id, "6 * 7");
         assert_eq!(text.as_deref(), Some("42"), "{id}");
         let args = ember_tests::create_record_args(&rt, id);
         let ms = args["vmm"]["queued_ms"]

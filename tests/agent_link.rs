@@ -10,31 +10,15 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use ember_agent::protocol::{EndStatus, EventKind, ExecRequest, RunCodeRequest};
+use ember_agent::protocol::{EndStatus, EventKind, ExecRequest};
 use ember_sandbox::agent_link::{self, KeptConnection};
-use ember_sandbox::runtime::{AuditFilter, CreateRequest, ForkRequest, SnapshotRequest};
+use ember_sandbox::runtime::{CreateRequest, ForkRequest, SnapshotRequest};
 use ember_sandbox::{Runtime, Sandbox, SandboxOptions};
 use ember_tests::{bin, runtime_for_test as runtime, template};
 
 fn code(rt: &Runtime, id: &str, src: &str) -> Option<String> {
-    let mut text = None;
-    let req = RunCodeRequest {
-        code: src.into(),
-        ..Default::default()
-    };
-    let end = rt
-        .run_code(id, &req, &mut |ev| {
-            if let EventKind::Result(r) = ev {
-                text = r
-                    .data
-                    .get("text/plain")
-                    .and_then(|v| v.as_str())
-                    .map(str::to_owned);
-            }
-            true
-        })
-        .unwrap_or_else(|e| panic!("run_code {src:?} in {id}: {e}"));
-    assert_eq!(end.status, EndStatus::Ok, "{src:?} in {id}");
+    let (status, _, text) = ember_tests::run_code(rt, id, src);
+    assert_eq!(status, EndStatus::Ok, "{src:?} in {id}");
     text
 }
 
@@ -74,18 +58,8 @@ fn creates_forks_and_resumes_take_over_the_kept_connection() {
     let id = rt.create(&CreateRequest::default()).unwrap().id;
     assert_attached(&rt, &id, "created");
     // The create's audit record says so too.
-    let recs = rt
-        .audit(&AuditFilter {
-            sandbox: Some(id.clone()),
-            call: Some("create".into()),
-            ..Default::default()
-        })
-        .unwrap();
-    assert_eq!(
-        recs[0].args["vmm"]["agent"]["link"], "attached",
-        "{}",
-        recs[0].args
-    );
+    let args = ember_tests::create_record_args(&rt, &id);
+    assert_eq!(args["vmm"]["agent"]["link"], "attached", "{args}");
     assert_eq!(code(&rt, &id, "x = 41; x + 1").as_deref(), Some("42"));
 
     // A second connection beside the attached one (a long run_code holds the first): the

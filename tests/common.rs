@@ -473,3 +473,36 @@ pub fn create_record_args(rt: &ember_sandbox::Runtime, id: &str) -> serde_json::
         .unwrap_or_else(|| panic!("no create record for {id}"))
         .args
 }
+
+/// Runs `src` in sandbox `id` of `rt`: how it ended, its stdout and its result's
+/// `text/plain` (panics when the call itself fails).
+pub fn run_code(
+    rt: &ember_sandbox::Runtime,
+    id: &str,
+    src: &str,
+) -> (ember_agent::protocol::EndStatus, String, Option<String>) {
+    use ember_agent::protocol::{EventKind, RunCodeRequest};
+    let mut out = String::new();
+    let mut text = None;
+    let req = RunCodeRequest {
+        code: src.into(),
+        ..Default::default()
+    };
+    let end = rt
+        .run_code(id, &req, &mut |ev| {
+            match ev {
+                EventKind::Stdout { data } => out.push_str(&String::from_utf8_lossy(data)),
+                EventKind::Result(r) => {
+                    text = r
+                        .data
+                        .get("text/plain")
+                        .and_then(|v| v.as_str())
+                        .map(str::to_owned)
+                }
+                _ => {}
+            }
+            true
+        })
+        .unwrap_or_else(|e| panic!("run_code {src:?} in {id}: {e}"));
+    (end.status, out, text)
+}

@@ -9,35 +9,13 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ember_agent::protocol::{EndStatus, EventKind, RunCodeRequest};
+use ember_agent::protocol::EndStatus;
 use ember_sandbox::runtime::CreateRequest;
 use ember_sandbox::{Runtime, RuntimeConfig};
 use ember_tests::{runtime_config, template};
 
 fn code(rt: &Runtime, id: &str, src: &str) -> (EndStatus, String, Option<String>) {
-    let mut out = String::new();
-    let mut text = None;
-    let req = RunCodeRequest {
-        code: src.into(),
-        ..Default::default()
-    };
-    let end = rt
-        .run_code(id, &req, &mut |ev| {
-            match ev {
-                EventKind::Stdout { data } => out.push_str(&String::from_utf8_lossy(data)),
-                EventKind::Result(r) => {
-                    text = r
-                        .data
-                        .get("text/plain")
-                        .and_then(|v| v.as_str())
-                        .map(str::to_owned)
-                }
-                _ => {}
-            }
-            true
-        })
-        .unwrap_or_else(|e| panic!("run_code {src:?} in {id}: {e}"));
-    (end.status, out, text)
+    ember_tests::run_code(rt, id, src)
 }
 
 fn home() -> tempfile::TempDir {
@@ -61,19 +39,10 @@ fn open(cfg: RuntimeConfig) -> Runtime {
 
 /// How the create of `id` got its first agent connection ("attached": the template's kept one).
 fn agent_link(rt: &Runtime, id: &str) -> String {
-    let recs = rt
-        .audit(&AuditFilter {
-            sandbox: Some(id.to_string()),
-            call: Some("create".into()),
-            ..Default::default()
-        })
-        .unwrap();
-    let rec = recs
-        .first()
-        .unwrap_or_else(|| panic!("no create record for {id}"));
-    rec.args["vmm"]["agent"]["link"]
+    let args = ember_tests::create_record_args(rt, id);
+    args["vmm"]["agent"]["link"]
         .as_str()
-        .unwrap_or_else(|| panic!("create record without vmm.agent.link: {}", rec.args))
+        .unwrap_or_else(|| panic!("create record without vmm.agent.link: {args}"))
         .to_string()
 }
 

@@ -5,36 +5,14 @@
 
 use std::time::{Duration, Instant};
 
-use ember_agent::protocol::{EndStatus, EventKind, ExecRequest, RunCodeRequest};
+use ember_agent::protocol::{EndStatus, ExecRequest, RunCodeRequest};
 use ember_sandbox::runtime::{
     AuditFilter, CreateRequest, ForkRequest, OnTimeout, SnapshotRequest, State,
 };
 use ember_tests::runtime_for_test as runtime;
 
 fn code(rt: &ember_sandbox::Runtime, id: &str, src: &str) -> (EndStatus, String, Option<String>) {
-    let mut out = String::new();
-    let mut text = None;
-    let req = RunCodeRequest {
-        code: src.into(),
-        ..Default::default()
-    };
-    let end = rt
-        .run_code(id, &req, &mut |ev| {
-            match ev {
-                EventKind::Stdout { data } => out.push_str(&String::from_utf8_lossy(data)),
-                EventKind::Result(r) => {
-                    text = r
-                        .data
-                        .get("text/plain")
-                        .and_then(|v| v.as_str())
-                        .map(str::to_owned)
-                }
-                _ => {}
-            }
-            true
-        })
-        .unwrap_or_else(|e| panic!("run_code {src:?} in {id}: {e}"));
-    (end.status, out, text)
+    ember_tests::run_code(rt, id, src)
 }
 
 fn create(rt: &ember_sandbox::Runtime, req: CreateRequest) -> String {
