@@ -252,12 +252,7 @@ fn dns_server(u: UdpSocket) {
             r[6..12].copy_from_slice(&[0, 0, 0, 0, 0, 0]);
             if let (Some(ip), 1) = (ip, qtype) {
                 r[7] = 1;
-                // TTL 3600 s: the sandbox's resolver admits an answer's address for its TTL
-                // (+30 s), counted on the host, while Chromium caches the answer for its TTL
-                // counted on the guest's clock, which falls behind on a heavily loaded kvm_pvm
-                // host; with a 60 s TTL the browser went on using a cached address after the
-                // host had stopped admitting it (ERR_CONNECTION_REFUSED mid-test).
-                r.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0x0e, 0x10, 0, 4]);
+                r.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4]);
                 r.extend_from_slice(&ip);
             }
             let _ = u.send_to(&r, from);
