@@ -87,12 +87,20 @@ with sync_playwright() as p:
             print(f"denied {url}: {str(e).splitlines()[0]}", flush=True)
             check(True, f"denied {url} fails")
             # Chromium then commits its error page (in a renderer of its own, which takes a
-            # while to start under kvm_pvm); a goto before that commit would be interrupted
-            # by it ("interrupted by another navigation to chrome-error://chromewebdata/").
+            # while to start under kvm_pvm); a goto before that commit is interrupted by it.
             page.wait_for_url(lambda u: u.startswith("chrome-error://"), timeout=LIMIT)
 
-    # Leave the test page's colours on screen for the live view and the screenshot API.
-    page.goto(PAGE + "result?q=view", timeout=LIMIT)
+    # Leave the test page's colours on screen for the live view and the screenshot API (a
+    # late error-page commit of a denied page may still interrupt the first attempt).
+    for attempt in range(3):
+        try:
+            page.goto(PAGE + "result?q=view", timeout=LIMIT)
+            break
+        except Error as e:
+            if "interrupted by another navigation" not in str(e) or attempt == 2:
+                raise
+            print(f"retrying the result page: {str(e).splitlines()[0]}", flush=True)
+            page.wait_for_load_state(timeout=LIMIT)
     page.wait_for_selector("#out")
 
     # The live view, in the host's headless Chromium.
