@@ -358,9 +358,6 @@ fn run_client(label: &str, mut cmd: Command, limit: Duration) -> String {
 }
 
 #[test]
-#[ignore = "not yet seen passing end to end on this kvm_pvm host (every Playwright step through \
-            the denied pages passes; docs/browser.md): `ember template build browser`, then \
-            `cargo test -p ember-tests --test browser -- --ignored`"]
 fn playwright_and_puppeteer_drive_isolated_browser_sandboxes() {
     let Some((host_chromium, python, node_modules)) = prerequisites() else {
         return;
