@@ -67,11 +67,13 @@ def main():
             t0 = time.monotonic()
             sb = api(a.url, a.token, "POST", "/v1/sandboxes", {"template": a.template})
             t_create = time.monotonic()
+            # Long time-outs: under kvm_pvm the first CDP calls after a restore take tens of s.
             browser = p.chromium.connect_over_cdp(f"{a.url}/v1/sandboxes/{sb['id']}/cdp",
-                                                  headers={"Authorization": f"Bearer {a.token}"})
+                                                  headers={"Authorization": f"Bearer {a.token}"},
+                                                  timeout=600_000)
             t_cdp = time.monotonic()
             page = browser.contexts[0].pages[0]
-            page.goto(PAGE)
+            page.goto(PAGE, timeout=600_000)
             assert page.title() == "bench"
             t_page = time.monotonic()
             # Not browser.close(): over CDP that ends the sandbox's Chromium; the idle figure is

@@ -358,9 +358,6 @@ fn run_client(label: &str, mut cmd: Command, limit: Duration) -> String {
 }
 
 #[test]
-#[ignore = "needs the browser template, whose Chromium start-up in a kvm_pvm guest outlasts CI's \
-            budget: `ember template build browser`, then `cargo test -p ember-tests --test \
-            browser -- --ignored` (docs/browser.md)"]
 fn playwright_and_puppeteer_drive_isolated_browser_sandboxes() {
     let Some((host_chromium, python, node_modules)) = prerequisites() else {
         return;
@@ -463,10 +460,16 @@ fn playwright_and_puppeteer_drive_isolated_browser_sandboxes() {
         let v: serde_json::Value = api("POST", "/v1/sandboxes")
             .send_json(serde_json::json!({
                 "template": template,
-                "timeout": 1800,
+                "timeout_secs": 1800,
                 "network": {"mode": "egress", "allow_domains": ["allowed.test"]},
             }))
-            .unwrap_or_else(|e| panic!("create {template}: {e}"))
+            .unwrap_or_else(|e| match e {
+                ureq::Error::Status(code, r) => panic!(
+                    "create {template}: HTTP {code}: {}",
+                    r.into_string().unwrap_or_default()
+                ),
+                e => panic!("create {template}: {e}"),
+            })
             .into_json()
             .unwrap();
         let id = v["id"].as_str().unwrap().to_string();
@@ -541,7 +544,7 @@ fn playwright_and_puppeteer_drive_isolated_browser_sandboxes() {
         .env("DENIED_URLS", &denied)
         .env("HOST_CHROMIUM", &host_chromium)
         .env("OUT_DIR", out.path());
-    run_client("playwright", cmd, Duration::from_secs(900));
+    run_client("playwright", cmd, Duration::from_secs(1800));
     assert!(
         ok_hits.load(Ordering::SeqCst) > 0,
         "the test page was never fetched"
@@ -593,7 +596,7 @@ fn playwright_and_puppeteer_drive_isolated_browser_sandboxes() {
         .env("SANDBOX_A", &a)
         .env("PAGE_URL", page_url)
         .env("OUT_DIR", out.path());
-    run_client("puppeteer", cmd, Duration::from_secs(600));
+    run_client("puppeteer", cmd, Duration::from_secs(1200));
     assert_has_page_colours(
         "Puppeteer's screenshot",
         &std::fs::read(out.path().join("puppeteer.png")).unwrap(),

@@ -167,8 +167,8 @@ pub struct ServiceSpec {
     /// `root` or `user`.
     #[serde(default = "root")]
     pub user: String,
-    /// A command run in the guest (every 2 s) until it exits 0: the service is
-    /// ready. None: ready once started.
+    /// A command run in the guest until it exits 0: the service is ready. Repeated after a
+    /// pause of four times its own run time (2 to 30 s). None: ready once started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready: Option<Vec<String>>,
     /// Longest wait for `ready`, seconds.
@@ -1110,7 +1110,10 @@ fn start_service<S: ember_agent::client::Transport>(
             timeout_ms: Some(120_000),
             ..Default::default()
         };
-        let last = match exec_once(client, check, Duration::from_secs(180)) {
+        let t_check = Instant::now();
+        let result = exec_once(client, check, Duration::from_secs(180));
+        let took = t_check.elapsed();
+        let last = match result {
             Ok((Some(0), _)) => {
                 progress(BuildEvent::Step(format!(
                     "service {} ready after {:.1}s",
@@ -1128,9 +1131,18 @@ fn start_service<S: ember_agent::client::Transport>(
                 svc.ready_timeout_s
             ));
         }
-        // Not too often: each check is an exec that competes with the service for the guest.
-        std::thread::sleep(Duration::from_secs(2));
+        std::thread::sleep(check_interval(took));
     }
+}
+
+/// The pause between two readiness checks, given how long the last one took. Each check is
+/// an exec in the guest that competes with the service for its vCPU; under kvm_pvm one
+/// costs seconds of guest time (measured: a `bash` check ~1-3 s while Chromium starts), so
+/// checks every 2 s would take a large share of the guest away from the service. The pause
+/// is four times the check's own time (the check uses at most a fifth of the guest), at
+/// least 2 s, at most 30 s.
+fn check_interval(last_check: Duration) -> Duration {
+    (last_check * 4).clamp(Duration::from_secs(2), Duration::from_secs(30))
 }
 
 fn merged_env(
@@ -1155,6 +1167,22 @@ mod tests {
 
     fn manifest() -> RootfsManifest {
         serde_json::from_str(r#"{"template": "t", "key": "img"}"#).unwrap()
+    }
+
+    #[test]
+    fn readiness_checks_leave_the_guest_mostly_to_the_service() {
+        assert_eq!(
+            check_interval(Duration::from_millis(5)),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            check_interval(Duration::from_secs(3)),
+            Duration::from_secs(12)
+        );
+        assert_eq!(
+            check_interval(Duration::from_secs(100)),
+            Duration::from_secs(30)
+        );
     }
 
     #[test]

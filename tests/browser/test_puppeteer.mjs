@@ -26,12 +26,16 @@ check(/^ws:\/\//.test(version.webSocketDebuggerUrl), "webSocketDebuggerUrl", ver
 const browser = await puppeteer.connect({
   browserWSEndpoint: version.webSocketDebuggerUrl,
   defaultViewport: null,
+  // Under kvm_pvm a restored sandbox's first screenshot or navigation costs its guest tens
+  // of seconds of emulated kernel work.
+  protocolTimeout: 600000,
 });
 const page = (await browser.pages())[0] ?? (await browser.newPage());
-await page.goto(PAGE_URL, { timeout: 60000 });
+page.setDefaultTimeout(300000);
+await page.goto(PAGE_URL, { timeout: 300000 });
 check((await page.title()) === "ember test page", "test page loaded", await page.title());
 await page.type("#q", "puppeteer");
-await Promise.all([page.waitForNavigation({ timeout: 60000 }), page.click("#go")]);
+await Promise.all([page.waitForNavigation({ timeout: 300000 }), page.click("#go")]);
 const text = await page.$eval("#out", (e) => e.textContent);
 check(text === "hello, puppeteer", "form result read", text);
 await page.screenshot({ path: path.join(OUT_DIR, "puppeteer.png") });

@@ -51,8 +51,12 @@ pub const CDP_PORT: u16 = 9222;
 const MAX_JSON: usize = 4 << 20;
 /// Largest screenshot frame accepted from the guest (base64 of the PNG).
 const MAX_FRAME: usize = 64 << 20;
-/// How long a DevTools HTTP request or a screenshot may take.
+/// How long a DevTools HTTP request may take.
 const GUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a screenshot may take: the page's first capture after a restore renders and
+/// encodes in a guest whose kernel work is emulated on kvm_pvm hosts (measured there: ~30 s
+/// for the first `Page.captureScreenshot` of a freshly restored sandbox).
+const SCREENSHOT_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// The routes, added to the server's router (their access is checked here, see
 /// [`is_browser_path`]).
@@ -525,7 +529,7 @@ async fn capture(
         }
         Err("the DevTools connection closed before the screenshot".to_string())
     };
-    match tokio::time::timeout(GUEST_TIMEOUT, shot).await {
+    match tokio::time::timeout(SCREENSHOT_TIMEOUT, shot).await {
         Ok(Ok(png)) => Ok(png),
         Ok(Err(e)) => Err(gateway(
             StatusCode::BAD_GATEWAY,
@@ -533,7 +537,9 @@ async fn capture(
         )),
         Err(_) => Err(gateway(
             StatusCode::GATEWAY_TIMEOUT,
-            format!("screenshot of sandbox {id}'s browser: no answer within {GUEST_TIMEOUT:?}"),
+            format!(
+                "screenshot of sandbox {id}'s browser: no answer within {SCREENSHOT_TIMEOUT:?}"
+            ),
         )),
     }
 }

@@ -299,14 +299,30 @@ pub fn sandbox(policy: &NetworkPolicy, side: &SandboxSide, initial: bool) -> Val
     t.done()
 }
 
-/// Adds resolved addresses to the sandbox's `dns4` set, each for `ttl` seconds.
+/// Adds resolved addresses to the sandbox's `dns4` set, each for `ttl` seconds from now —
+/// also an address already there: adding an existing element leaves its old expiry, so a
+/// client that resolved the name again (and caches the new answer) would be refused once the
+/// first answer's time ran out (seen with Chromium, which re-resolves after a minute). One
+/// transaction: add (so that the delete finds every element), delete, add again with the
+/// new timeouts; no moment without the element.
 pub fn dns_elements(addrs: &[(Ipv4Addr, u32)]) -> Value {
-    let elems: Vec<Value> = addrs
+    let mut longest: std::collections::BTreeMap<Ipv4Addr, u32> = Default::default();
+    for (ip, ttl) in addrs {
+        let t = longest.entry(*ip).or_insert(*ttl);
+        *t = (*t).max(*ttl);
+    }
+    let elems: Vec<Value> = longest
         .iter()
         .map(|(ip, ttl)| json!({"elem": {"val": ip.to_string(), "timeout": ttl}}))
         .collect();
-    json!({"nftables": [{"add": {"element": {
-        "family": "inet", "table": TABLE, "name": "dns4", "elem": elems}}}]})
+    let names: Vec<Value> = longest.keys().map(|ip| json!(ip.to_string())).collect();
+    let set =
+        |elem: Vec<Value>| json!({"family": "inet", "table": TABLE, "name": "dns4", "elem": elem});
+    json!({"nftables": [
+        {"add": {"element": set(elems.clone())}},
+        {"delete": {"element": set(names)}},
+        {"add": {"element": set(elems)}},
+    ]})
 }
 
 /// What the host-side table needs.
@@ -538,5 +554,33 @@ mod tests {
         assert_eq!(s.dropped_destinations, ["169.254.169.254"]);
         assert_eq!(s.resolved, ["1.2.3.4"]);
         assert_eq!(parse_stats("garbage"), DropStats::default());
+    }
+
+    #[test]
+    fn dns_elements_restart_the_timeout_of_addresses_already_allowed() {
+        let a: Ipv4Addr = "1.2.3.4".parse().unwrap();
+        let b: Ipv4Addr = "5.6.7.8".parse().unwrap();
+        let v = dns_elements(&[(a, 90), (b, 60), (a, 120)]);
+        let cmds = v["nftables"].as_array().unwrap();
+        let verbs: Vec<&str> = cmds
+            .iter()
+            .map(|c| c.as_object().unwrap().keys().next().unwrap().as_str())
+            .collect();
+        assert_eq!(verbs, ["add", "delete", "add"]);
+        // Each address once, with its longest timeout.
+        let added = &cmds[2]["add"]["element"]["elem"];
+        assert_eq!(
+            added,
+            &json!([
+                {"elem": {"val": "1.2.3.4", "timeout": 120}},
+                {"elem": {"val": "5.6.7.8", "timeout": 60}}
+            ])
+        );
+        assert_eq!(cmds[0]["add"]["element"]["elem"], *added);
+        assert_eq!(
+            cmds[1]["delete"]["element"]["elem"],
+            json!(["1.2.3.4", "5.6.7.8"])
+        );
+        assert_eq!(cmds[1]["delete"]["element"]["name"], "dns4");
     }
 }
