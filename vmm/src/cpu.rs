@@ -135,17 +135,12 @@ pub const KVM_FEATURES_KEPT: u32 = KVM_FEATURE_CLOCKSOURCE
 /// 151 POPCNT, 308 SMAP, 297 ERMS, 580 FSRM: `word * 32 + bit` in the kernel's numbering), plus boot-time
 /// options that only matter where ring 0 is emulated (`rodata=off`: page-attribute changes at
 /// 4 KiB granularity cost ~7 s there; `noreplace-smp`: per-site LOCK-prefix patching;
-/// `tsc=reliable`: no clocksource watchdog; `clocksource=kvm-clock`: this host gives a guest
-/// the host's TSC unshifted, so a TSC clocksource makes a restored clone's clock jump by the
-/// snapshot's age and the guest then works through that jump — measured after a restore of
-/// an agent guest snapshotted 20 minutes earlier: 215k emulated instructions with the TSC, 138k
-/// with kvm-clock, which the VMM restores to the snapshot's value; time reads cost the same in
-/// both, through the vDSO), plus `ember_fault_resched_ipi` (guest-kernel patch
+/// `tsc=reliable`: no clocksource watchdog), plus `ember_fault_resched_ipi` (guest-kernel patch
 /// 0009): a task switch due at the end of a user page fault is taken from a self-IPI instead,
 /// because this host loses a task's AVX/AVX-512 register state when the switch happens on the
 /// way out of a page fault.
 pub const PVM_CMDLINE: &str = "noxsave clearcpuid=141,151,308,297,580 rodata=off noreplace-smp \
-     tsc=reliable clocksource=kvm-clock ember_fault_resched_ipi";
+     tsc=reliable ember_fault_resched_ipi";
 
 impl CpuProfile {
     /// Extra kernel command line for this profile.
