@@ -57,7 +57,7 @@ class RecipeTests(unittest.TestCase):
     def test_browser_template_loads(self):
         recipe = build.load_recipe(build.TEMPLATES_DIR / "browser.toml")
         self.assertEqual(recipe["name"], "browser")
-        for pkg in ("chromium", "socat", "python3-ipython", "python3-pandas", "python3-matplotlib"):
+        for pkg in ("chromium-headless-shell", "socat", "python3-ipython", "python3-pandas", "python3-matplotlib"):
             self.assertIn(pkg, recipe["packages"])
         names = [s["name"] for s in recipe["warmup"]["services"]]
         self.assertEqual(names, ["chromium", "cdp-relay"])
