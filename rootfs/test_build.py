@@ -69,7 +69,8 @@ class RecipeTests(unittest.TestCase):
         relay = recipe["warmup"]["services"][1]
         self.assertIn("TCP:127.0.0.1:9223", relay["argv"])
         self.assertEqual(relay["ready"][0], "/bin/bash")
-        self.assertEqual(relay["ready_timeout_s"], 3000)
+        self.assertEqual(relay["ready_timeout_s"], 1800)
+        self.assertIn("HTTP/1.1", relay["ready"][-1])
 
     def test_services_are_left_out_when_none(self):
         recipe = build.load_recipe(write(self.dir, "t.toml", MINIMAL))
