@@ -695,12 +695,17 @@ impl Sandbox {
         }
     }
 
-    fn conn(&self) -> Result<Conn<'_>, SandboxError> {
-        let pooled = self
+    /// An idle connection from the pool, if one is there.
+    fn pop_pooled(&self) -> Result<Option<Pooled>, SandboxError> {
+        Ok(self
             .pool
             .lock()
             .map_err(|_| SandboxError::Gone(self.id.clone()))?
-            .pop();
+            .pop())
+    }
+
+    fn conn(&self) -> Result<Conn<'_>, SandboxError> {
+        let pooled = self.pop_pooled()?;
         let client = match pooled {
             Some(c) => c,
             None => {
@@ -1059,11 +1064,7 @@ impl Sandbox {
     /// [`HeldConnection::kept`] is what to record ([`agent_link::record`]) for the restore to
     /// attach to. It goes back to the pool when dropped.
     pub fn hold_connection(&self) -> Result<HeldConnection<'_>, SandboxError> {
-        let pooled = self
-            .pool
-            .lock()
-            .map_err(|_| SandboxError::Gone(self.id.clone()))?
-            .pop();
+        let pooled = self.pop_pooled()?;
         let conn = match pooled {
             // It has answered its last call in full: nothing is in flight on it.
             Some(p) => p,
