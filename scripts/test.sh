@@ -15,6 +15,16 @@ if [[ -z "${EMBER_E2B_VENV:-}" ]]; then
         echo "warning: the E2B SDKs could not be installed; tests/e2b.rs will say so" >&2
     fi
 fi
+# The pinned CDP clients that tests/browser.rs drives (Playwright for Python, puppeteer-core).
+if [[ -z "${EMBER_BROWSER_VENV:-}" ]]; then
+    if browser_env=$(bash scripts/browser-clients.sh); then
+        EMBER_BROWSER_VENV=$(sed -n 's/^EMBER_BROWSER_VENV=//p' <<<"$browser_env")
+        EMBER_BROWSER_NODE_MODULES=$(sed -n 's/^EMBER_BROWSER_NODE_MODULES=//p' <<<"$browser_env")
+        export EMBER_BROWSER_VENV EMBER_BROWSER_NODE_MODULES
+    else
+        echo "warning: the CDP clients could not be installed; tests/browser.rs will say so" >&2
+    fi
+fi
 python3 -m unittest discover -s rootfs -p "test_*.py"
 # Guest boots are slow on kvm_pvm and the machine has 2 cores: two test threads.
 cargo test --workspace --no-fail-fast -- --test-threads=2

@@ -358,10 +358,6 @@ fn run_client(label: &str, mut cmd: Command, limit: Duration) -> String {
 }
 
 #[test]
-#[ignore = "not in CI yet: the browser template (~10–15 min to build on kvm_pvm) plus this test \
-            (~11 min) passed once on a branch but were not re-run on the merged tree, and would \
-            take CI past its hour: `ember template build browser`, then `cargo test -p \
-            ember-tests --test browser -- --ignored` (docs/browser.md)"]
 fn playwright_and_puppeteer_drive_isolated_browser_sandboxes() {
     let Some((host_chromium, python, node_modules)) = prerequisites() else {
         return;

@@ -10,7 +10,7 @@
 //! checks are `dd` + `sha256sum` through `exec`.
 //!
 //! Transfer sizes are cut by default to keep the file near five minutes here (the guest moves
-//! about 1 MiB/s); `EMBER_TEST_DEVICES_FULL=1` (set by `.ci/run`) runs the sizes of the issue
+//! about 1 MiB/s); `EMBER_TEST_DEVICES_FULL=1` (a by-hand run) runs the sizes of the issue
 //! (100 MiB TCP guest → peer, 64 MiB vsock echoes each way; ~9 minutes).
 
 use std::ffi::OsString;
