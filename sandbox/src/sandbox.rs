@@ -158,6 +158,9 @@ fn transient(e: &ClientError) -> bool {
                 | std::io::ErrorKind::ConnectionReset
                 | std::io::ErrorKind::BrokenPipe
                 | std::io::ErrorKind::UnexpectedEof
+                // EAGAIN from `connect` on the VMM's socket: its listen backlog is full (a
+                // starved VMM has not accepted yet). Measured at ~2,200 idle sandboxes.
+                | std::io::ErrorKind::WouldBlock
         ),
         _ => false,
     }
@@ -558,10 +561,13 @@ impl Sandbox {
                     kept = None;
                 }
                 Err(ClientError::Io { source, .. })
-                    if source.kind() == std::io::ErrorKind::ConnectionRefused
-                        && t0.elapsed() < connect_timeout =>
+                    if matches!(
+                        source.kind(),
+                        std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::WouldBlock
+                    ) && t0.elapsed() < connect_timeout =>
                 {
-                    // Not listening yet (a kept connection is answered at once).
+                    // Not listening yet, or its backlog is full (a starved VMM); a kept
+                    // connection is answered at once once the VMM runs.
                     if let Some(message) = self.exited()? {
                         return Err(SandboxError::Vmm {
                             id: self.id.clone(),
@@ -1220,5 +1226,35 @@ impl Execution {
             .chain(self.displays.iter())
             .filter_map(|b| b.get(mime))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn io(kind: std::io::ErrorKind) -> ClientError {
+        ClientError::Io {
+            context: "CONNECT 1024".into(),
+            source: kind.into(),
+        }
+    }
+
+    #[test]
+    fn a_starved_vmm_is_waited_for_and_a_refusal_of_access_is_not() {
+        use std::io::ErrorKind::*;
+        // A full listen backlog (EAGAIN) is what a starved VMM looks like at ~2,200 sandboxes.
+        for kind in [
+            ConnectionRefused,
+            WouldBlock,
+            ConnectionReset,
+            UnexpectedEof,
+        ] {
+            assert!(transient(&io(kind)), "{kind:?}");
+        }
+        for kind in [PermissionDenied, NotFound, InvalidInput] {
+            assert!(!transient(&io(kind)), "{kind:?}");
+        }
+        assert!(transient(&ClientError::Closed));
     }
 }
