@@ -6,7 +6,7 @@
 # new directory and an unchanged one is reused (a second run only checks). Each directory is
 # marked complete (.ok) only after its install succeeded; a partial one is redone.
 #
-# Prints the two paths last, as shell assignments (what .ci/run exports for the test):
+# Prints the two paths last, as shell assignments (what scripts/test.sh exports for the test):
 #   EMBER_E2B_VENV=<venv dir>            (python: $EMBER_E2B_VENV/bin/python)
 #   EMBER_E2B_NODE_MODULES=<node_modules dir>
 # Network: PyPI and the npm registry, through pip's and npm's own configuration.

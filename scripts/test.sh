@@ -5,26 +5,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --workspace --bins
-# The pinned E2B SDKs that tests/e2b.rs drives (cached; .ci/run has already done this).
-if [[ -z "${EMBER_E2B_VENV:-}" ]]; then
-    if e2b_env=$(bash scripts/e2b-sdks.sh); then
-        EMBER_E2B_VENV=$(sed -n 's/^EMBER_E2B_VENV=//p' <<<"$e2b_env")
-        EMBER_E2B_NODE_MODULES=$(sed -n 's/^EMBER_E2B_NODE_MODULES=//p' <<<"$e2b_env")
-        export EMBER_E2B_VENV EMBER_E2B_NODE_MODULES
+# Runs installer $1 (it prints EMBER_*=path lines last) and exports what it prints, unless
+# variable $2 is set already (.ci/run has done it); a failed install only warns, and the test
+# that needs it ($3) says so.
+install_and_export() {
+    local script=$1 already=$2 test=$3 out line
+    [[ -z "${!already:-}" ]] || return 0
+    if out=$(bash "$script"); then
+        while IFS= read -r line; do
+            [[ $line =~ ^EMBER_[A-Z0-9_]+= ]] && export "${line?}"
+        done <<<"$out"
     else
-        echo "warning: the E2B SDKs could not be installed; tests/e2b.rs will say so" >&2
+        echo "warning: $script failed; $test will say what is missing" >&2
     fi
-fi
-# The pinned CDP clients that tests/browser.rs drives (Playwright for Python, puppeteer-core).
-if [[ -z "${EMBER_BROWSER_VENV:-}" ]]; then
-    if browser_env=$(bash scripts/browser-clients.sh); then
-        EMBER_BROWSER_VENV=$(sed -n 's/^EMBER_BROWSER_VENV=//p' <<<"$browser_env")
-        EMBER_BROWSER_NODE_MODULES=$(sed -n 's/^EMBER_BROWSER_NODE_MODULES=//p' <<<"$browser_env")
-        export EMBER_BROWSER_VENV EMBER_BROWSER_NODE_MODULES
-    else
-        echo "warning: the CDP clients could not be installed; tests/browser.rs will say so" >&2
-    fi
-fi
+}
+# The pinned E2B SDKs (tests/e2b.rs) and CDP clients (tests/browser.rs: Playwright for
+# Python, puppeteer-core), each cached by the hash of its pins.
+install_and_export scripts/e2b-sdks.sh EMBER_E2B_VENV tests/e2b.rs
+install_and_export scripts/browser-clients.sh EMBER_BROWSER_VENV tests/browser.rs
 python3 -m unittest discover -s rootfs -p "test_*.py"
 # Guest boots are slow on kvm_pvm and the machine has 2 cores: two test threads.
 cargo test --workspace --no-fail-fast -- --test-threads=2

@@ -6,7 +6,7 @@
 //! `tests/e2b/requirements.txt` (e2b 2.63.0, e2b-code-interpreter 2.11.5) and
 //! `tests/e2b/package-lock.json` (e2b 2.51.0, @e2b/code-interpreter 2.8.0) and installed by
 //! `scripts/e2b-sdks.sh` into `$EMBER_CACHE/e2b`. This test finds them through
-//! `EMBER_E2B_VENV` / `EMBER_E2B_NODE_MODULES` (set by `.ci/run`) or else at the paths that
+//! `EMBER_E2B_VENV` / `EMBER_E2B_NODE_MODULES` (set by `scripts/test.sh`) or else at the paths that
 //! script uses. Missing SDKs fail the test under `CI=true` or when those variables are set, and
 //! skip it (printing `skipped: …`) otherwise.
 //!
