@@ -482,6 +482,20 @@ impl Sandbox {
         reason
     }
 
+    /// Before another first-connection attempt: fails if the VMM has exited, else sleeps
+    /// `backoff` and doubles it (at most 50 ms).
+    fn retry_after(&self, backoff: &mut Duration) -> Result<(), SandboxError> {
+        if let Some(message) = self.exited()? {
+            return Err(SandboxError::Vmm {
+                id: self.id.clone(),
+                message,
+            });
+        }
+        std::thread::sleep(*backoff);
+        *backoff = (*backoff * 2).min(Duration::from_millis(50));
+        Ok(())
+    }
+
     /// The first agent connection of a restored VM, synced: the kept one when possible.
     fn first_connection(
         &self,
@@ -517,14 +531,7 @@ impl Sandbox {
                         return Ok((c, link));
                     }
                     Err((_, e)) if transient(&e) && t0.elapsed() < connect_timeout => {
-                        if let Some(message) = self.exited()? {
-                            return Err(SandboxError::Vmm {
-                                id: self.id.clone(),
-                                message,
-                            });
-                        }
-                        std::thread::sleep(backoff);
-                        backoff = (backoff * 2).min(Duration::from_millis(50));
+                        self.retry_after(&mut backoff)?;
                         continue;
                     }
                     Err((call, source)) => return Err(self.agent_err(call, source)),
@@ -568,14 +575,7 @@ impl Sandbox {
                 {
                     // Not listening yet, or its backlog is full (a starved VMM); a kept
                     // connection is answered at once once the VMM runs.
-                    if let Some(message) = self.exited()? {
-                        return Err(SandboxError::Vmm {
-                            id: self.id.clone(),
-                            message,
-                        });
-                    }
-                    std::thread::sleep(backoff);
-                    backoff = (backoff * 2).min(Duration::from_millis(50));
+                    self.retry_after(&mut backoff)?;
                 }
                 Err(e) => {
                     fallback = Some(self.give_up_kept(format!("ATTACH failed: {e}")));
