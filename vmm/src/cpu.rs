@@ -238,9 +238,16 @@ fn apply_topology(e: &mut kvm_cpuid_entry2, vcpu_id: u8, vcpu_count: u8) {
             e.eax &= !(0xfc00_0000 | 0x03ff_c000);
             e.eax |= u32::from(vcpu_count.saturating_sub(1)) << 26;
         }
-        0xb => {
-            // Extended topology: level 0 = SMT (1 thread), level 1 = core (n cores).
+        0xb | 0x1f => {
+            // Extended topology (leaf 0x1f is the v2 form, same layout for these two levels):
+            // level 0 = SMT (1 thread), level 1 = core (n cores). EDX is the x2APIC id, which
+            // KVM reports as that of the host CPU the VMM happened to run on.
             e.edx = u32::from(vcpu_id);
+            // A host without leaf 0x1f reports it as all-invalid levels (type 0): keep it so,
+            // and the guest uses leaf 0xb.
+            if e.function == 0x1f && (e.ecx >> 8) & 0xff == 0 {
+                return;
+            }
             match e.index {
                 0 => {
                     e.eax = 0;
@@ -259,8 +266,34 @@ fn apply_topology(e: &mut kvm_cpuid_entry2, vcpu_id: u8, vcpu_count: u8) {
                 }
             }
         }
+        0x8000_001e => {
+            // AMD: EAX extended APIC id, EBX[7:0] core id, EBX[15:8] threads per core - 1,
+            // ECX[7:0] node id — the host CPU's, as KVM reports them.
+            e.eax = u32::from(vcpu_id);
+            e.ebx = (e.ebx & !0xffff) | u32::from(vcpu_id);
+            e.ecx &= !0xff;
+        }
         _ => {}
     }
+}
+
+/// CPUID as the guest sees it, less what names one CPU rather than what the CPU can do:
+/// the (x2)APIC ids of leaves 1, 0xb, 0x1f and 0x8000_001e (and the latter's core and node). KVM fills these with the id of
+/// whichever host CPU the VMM ran on (kvm_pvm does), so two VMMs on one host may differ
+/// only there. Restores compare this key, not the raw leaves.
+pub fn feature_key(e: &kvm_cpuid_entry2) -> (u32, u32, u32, u32, u32, u32, u32) {
+    let (mut eax, mut ebx, mut ecx, mut edx) = (e.eax, e.ebx, e.ecx, e.edx);
+    match e.function {
+        1 => ebx &= 0x00ff_ffff,
+        0xb | 0x1f => edx = 0,
+        0x8000_001e => {
+            eax = 0;
+            ebx &= !0xff;
+            ecx &= !0xff;
+        }
+        _ => {}
+    }
+    (e.function, e.index, e.flags, eax, ebx, ecx, edx)
 }
 
 #[cfg(test)]
@@ -356,6 +389,45 @@ mod tests {
         assert_eq!(b.ebx, 4);
         assert_eq!(b.edx, 3);
         assert_eq!(b.eax, 2, "shift to the package level for 4 cores");
+        // A host with leaf 0x1f: the same levels as 0xb.
+        let mut v2 = CpuId::from_entries(&[entry(0x1f, 1, 4, 16, (2 << 8) | 1, 9)]).unwrap();
+        CpuProfile::Host.apply(&mut v2, 3, 4);
+        let f = find(&v2, 0x1f, 1);
+        assert_eq!((f.eax, f.ebx, f.ecx, f.edx), (2, 4, (2 << 8) | 1, 3));
+    }
+
+    #[test]
+    fn apic_ids_of_the_host_cpu_do_not_leak_into_the_guest_or_the_key() {
+        // KVM_GET_SUPPORTED_CPUID as kvm_pvm reports it on host CPU 1 and on host CPU 0.
+        let on = |apic: u32| {
+            CpuId::from_entries(&[
+                entry(1, 0, 0xa0671, (apic << 24) | 0x20800, 0, 0),
+                entry(0xb, 1, 0, 0, 0, apic),
+                entry(0x1f, 1, 0, 0, 0, apic),
+                entry(0x8000_001e, 0, apic, 0x100 | apic, apic, 0),
+            ])
+            .unwrap()
+        };
+        let (mut a, mut b) = (on(1), on(0));
+        CpuProfile::Pvm.apply(&mut a, 0, 1);
+        CpuProfile::Pvm.apply(&mut b, 0, 1);
+        assert_eq!(a.as_slice(), b.as_slice());
+        assert_eq!(find(&a, 0x1f, 1).edx, 0);
+        assert_eq!(
+            (find(&a, 0x1f, 1).ebx, find(&a, 0x1f, 1).ecx),
+            (0, 0),
+            "a leaf 0x1f the host does not have stays invalid"
+        );
+        assert_eq!(find(&a, 0x8000_001e, 0).eax, 0);
+        // The key ignores the ids (a snapshot from before they were set still matches)
+        // and nothing else.
+        let (x, y) = (on(1), on(0));
+        for (p, q) in x.as_slice().iter().zip(y.as_slice()) {
+            assert_eq!(feature_key(p), feature_key(q));
+        }
+        let mut z = find(&x, 0x1f, 1);
+        z.ecx ^= 1;
+        assert_ne!(feature_key(&z), feature_key(&find(&y, 0x1f, 1)));
     }
 
     #[test]

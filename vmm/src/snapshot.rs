@@ -891,11 +891,11 @@ impl Vm {
         state
             .cpu_profile
             .apply(&mut expected, 0, state.config.vcpus);
-        if !same_cpuid(expected.as_slice(), &state.vcpus[0].cpuid) {
+        if let Some(diff) = cpuid_difference(expected.as_slice(), &state.vcpus[0].cpuid) {
             return Err(SnapshotError::Incompatible {
                 dir: dir.to_path_buf(),
                 reason: format!(
-                    "this host's CPU (profile '{}') differs from the one the snapshot was taken on",
+                    "this host's CPU (profile '{}') differs from the one the snapshot was taken on ({diff})",
                     state.cpu_profile
                 ),
             });
@@ -1284,16 +1284,43 @@ fn prefetch(
     }
 }
 
-/// Compares two CPUID tables entry by entry, ignoring order.
-fn same_cpuid(a: &[kvm_bindings::kvm_cpuid_entry2], b: &[kvm_bindings::kvm_cpuid_entry2]) -> bool {
-    let key = |e: &kvm_bindings::kvm_cpuid_entry2| {
-        (e.function, e.index, e.flags, e.eax, e.ebx, e.ecx, e.edx)
-    };
-    let mut x: Vec<_> = a.iter().map(key).collect();
-    let mut y: Vec<_> = b.iter().map(key).collect();
+/// Compares two CPUID tables entry by entry, ignoring order and the APIC ids that name one
+/// host CPU ([`crate::cpu::feature_key`]). `None` when they match, else the first leaf that
+/// differs, as `expected` (this host) against `saved` (the snapshot).
+fn cpuid_difference(
+    expected: &[kvm_bindings::kvm_cpuid_entry2],
+    saved: &[kvm_bindings::kvm_cpuid_entry2],
+) -> Option<String> {
+    let mut x: Vec<_> = expected.iter().map(crate::cpu::feature_key).collect();
+    let mut y: Vec<_> = saved.iter().map(crate::cpu::feature_key).collect();
     x.sort_unstable();
     y.sort_unstable();
-    x == y
+    if x == y {
+        return None;
+    }
+    let show = |k: Option<&(u32, u32, u32, u32, u32, u32, u32)>| match k {
+        Some(k) => format!(
+            "{:#x}.{}: {:08x} {:08x} {:08x} {:08x}",
+            k.0, k.1, k.3, k.4, k.5, k.6
+        ),
+        None => "absent".into(),
+    };
+    let i = (0..x.len().max(y.len()))
+        .find(|&i| x.get(i) != y.get(i))
+        .unwrap_or(0);
+    // Name the leaf of whichever side sorts first at the first difference.
+    let leaf = match (x.get(i), y.get(i)) {
+        (Some(a), Some(b)) => (a.0, a.1).min((b.0, b.1)),
+        (Some(a), None) | (None, Some(a)) => (a.0, a.1),
+        (None, None) => (0, 0),
+    };
+    let find =
+        |v: &[(u32, u32, u32, u32, u32, u32, u32)]| v.iter().find(|k| (k.0, k.1) == leaf).copied();
+    Some(format!(
+        "leaf {} here, {} in the snapshot",
+        show(find(&x).as_ref()),
+        show(find(&y).as_ref())
+    ))
 }
 
 #[cfg(test)]
@@ -1400,5 +1427,35 @@ mod tests {
         );
         // Nothing was changed.
         assert_eq!(c.disks, config().disks);
+    }
+
+    #[test]
+    fn cpuid_check_ignores_host_apic_ids_and_names_a_differing_leaf() {
+        let e = |function, index, ebx, ecx, edx| kvm_bindings::kvm_cpuid_entry2 {
+            function,
+            index,
+            ebx,
+            ecx,
+            edx,
+            ..Default::default()
+        };
+        // Taken on host CPU 1, restored on host CPU 0, in another order.
+        let saved = [e(1, 0, 0x0102_0800, 0x8120_2000, 0), e(0x1f, 1, 0, 0, 1)];
+        let here = [e(0x1f, 1, 0, 0, 0), e(1, 0, 0x0002_0800, 0x8120_2000, 0)];
+        assert_eq!(cpuid_difference(&here, &saved), None);
+        // A feature bit is a difference, named by its leaf.
+        let popcnt = [e(0x1f, 1, 0, 0, 0), e(1, 0, 0x0002_0800, 0x8160_2000, 0)];
+        let msg = cpuid_difference(&popcnt, &saved).unwrap();
+        assert!(
+            msg.contains("leaf 0x1.0: 00000000 00020800 81602000"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("00020800 81202000 00000000 in the snapshot"),
+            "{msg}"
+        );
+        // A leaf only one side has.
+        let msg = cpuid_difference(&here[..1], &saved).unwrap();
+        assert!(msg.contains("leaf absent here"), "{msg}");
     }
 }
