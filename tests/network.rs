@@ -710,6 +710,20 @@ fn exposed_ports_serve_http_and_websockets_to_the_caller_only() {
         .port();
     let shome = tempfile::tempdir().unwrap();
     let log = std::fs::File::create(shome.path().join("serve.log")).unwrap();
+    /// Stops the server however the test ends (SIGTERM first: the server then removes its
+    /// host table), so that a failed assertion leaves no `ember serve` behind.
+    struct StopServer(std::process::Child);
+    impl Drop for StopServer {
+        fn drop(&mut self) {
+            let _ = Command::new("kill").arg(self.0.id().to_string()).status();
+            let t = Instant::now();
+            while matches!(self.0.try_wait(), Ok(None)) && t.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
     let mut server = Command::new(bin("ember"))
         .args([
             "serve",
@@ -725,12 +739,13 @@ fn exposed_ports_serve_http_and_websockets_to_the_caller_only() {
         .stdout(log.try_clone().unwrap())
         .stderr(log)
         .spawn()
+        .map(StopServer)
         .expect("ember serve");
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let url = format!("http://{addr}");
     let t0 = Instant::now();
     while ureq::get(&format!("{url}/healthz")).call().is_err() {
-        if let Ok(Some(st)) = server.try_wait() {
+        if let Ok(Some(st)) = server.0.try_wait() {
             panic!(
                 "ember serve exited ({st}): {}",
                 std::fs::read_to_string(shome.path().join("serve.log")).unwrap_or_default()
@@ -841,9 +856,7 @@ fn exposed_ports_serve_http_and_websockets_to_the_caller_only() {
         r.starts_with("HTTP/1.1 409") || r.starts_with("HTTP/1.1 404"),
         "{r}"
     );
-    // SAFETY-free stop: SIGTERM through kill(1); the server then removes its host table.
-    let _ = Command::new("kill").arg(server.id().to_string()).status();
-    let _ = server.wait();
+    drop(server);
 }
 
 #[test]
