@@ -277,11 +277,14 @@ fn apply_topology(e: &mut kvm_cpuid_entry2, vcpu_id: u8, vcpu_count: u8) {
     }
 }
 
+/// One CPUID entry as compared across hosts: function, index, flags, EAX, EBX, ECX, EDX.
+pub type FeatureKey = (u32, u32, u32, u32, u32, u32, u32);
+
 /// CPUID as the guest sees it, less what names one CPU rather than what the CPU can do:
 /// the (x2)APIC ids of leaves 1, 0xb, 0x1f and 0x8000_001e (and the latter's core and node). KVM fills these with the id of
 /// whichever host CPU the VMM ran on (kvm_pvm does), so two VMMs on one host may differ
 /// only there. Restores compare this key, not the raw leaves.
-pub fn feature_key(e: &kvm_cpuid_entry2) -> (u32, u32, u32, u32, u32, u32, u32) {
+pub fn feature_key(e: &kvm_cpuid_entry2) -> FeatureKey {
     let (mut eax, mut ebx, mut ecx, mut edx) = (e.eax, e.ebx, e.ecx, e.edx);
     match e.function {
         1 => ebx &= 0x00ff_ffff,

@@ -1298,7 +1298,7 @@ fn cpuid_difference(
     if x == y {
         return None;
     }
-    let show = |k: Option<&(u32, u32, u32, u32, u32, u32, u32)>| match k {
+    let show = |k: Option<&crate::cpu::FeatureKey>| match k {
         Some(k) => format!(
             "{:#x}.{}: {:08x} {:08x} {:08x} {:08x}",
             k.0, k.1, k.3, k.4, k.5, k.6
@@ -1314,8 +1314,7 @@ fn cpuid_difference(
         (Some(a), None) | (None, Some(a)) => (a.0, a.1),
         (None, None) => (0, 0),
     };
-    let find =
-        |v: &[(u32, u32, u32, u32, u32, u32, u32)]| v.iter().find(|k| (k.0, k.1) == leaf).copied();
+    let find = |v: &[crate::cpu::FeatureKey]| v.iter().find(|k| (k.0, k.1) == leaf).copied();
     Some(format!(
         "leaf {} here, {} in the snapshot",
         show(find(&x).as_ref()),
