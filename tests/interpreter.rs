@@ -305,3 +305,87 @@ fn bad_requests_get_clear_errors_and_the_sandbox_goes_on() {
     assert!(msg.contains("no-such-context"), "{msg}");
     assert_eq!(run(&sb, "3 * 3").text(), Some("9"));
 }
+
+/// The guest's clocks stay right across restores and a tickless idle period, the cases where
+/// the guest kernel takes many pending seconds in one step (guest-kernel patch 0011).
+/// CLOCK_MONOTONIC and CLOCK_MONOTONIC_RAW run from the same counter and differ by a constant
+/// (the boot offset MONOTONIC starts from), so that difference moves by whole seconds only if
+/// seconds were lost or counted twice; and the monotonic time the guest sees pass while it
+/// sits idle matches the host's.
+#[test]
+fn guest_clocks_agree_after_restores_and_an_idle_period() {
+    let sb = sandbox("default");
+    // (CLOCK_MONOTONIC, its difference from CLOCK_MONOTONIC_RAW, CLOCK_REALTIME), in seconds.
+    let clocks = |sb: &ember_sandbox::Sandbox| -> (f64, f64, f64) {
+        let x = run(
+            sb,
+            "import time\n\
+             _m = time.clock_gettime(time.CLOCK_MONOTONIC)\n\
+             _r = time.clock_gettime(time.CLOCK_MONOTONIC_RAW)\n\
+             f'{_m!r} {_r!r} {time.time()!r}'",
+        );
+        assert_eq!(status(&x), EndStatus::Ok, "{x:?}");
+        let text = x.text().expect("a result").trim_matches('\'').to_string();
+        let v: Vec<f64> = text
+            .split(' ')
+            .map(|s| s.parse().unwrap_or_else(|e| panic!("{text:?}: {e}")))
+            .collect();
+        assert_eq!(v.len(), 3, "{text:?}");
+        (v[0], v[0] - v[1], v[2])
+    };
+    let host_now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+    };
+    // Restored from the shared template, built seconds to hours ago.
+    let before_first = Instant::now();
+    let (mono1, offset1, wall1) = clocks(&sb);
+    let after_first = Instant::now();
+    assert!(
+        (wall1 - host_now()).abs() < 30.0,
+        "guest wall clock {wall1} vs host {}",
+        host_now()
+    );
+    // Idle long enough for several whole seconds to be pending when the guest next wakes.
+    std::thread::sleep(Duration::from_secs(6));
+    let before_second = Instant::now();
+    let (mono2, offset2, _) = clocks(&sb);
+    let after_second = Instant::now();
+    assert!(
+        (offset2 - offset1).abs() < 0.05,
+        "over an idle period CLOCK_MONOTONIC - CLOCK_MONOTONIC_RAW went from {offset1} to {offset2}"
+    );
+    // The guest read its clocks somewhere inside each call: the time that passed for it lies
+    // between the host's gap between the calls and the host's span over both.
+    let guest = mono2 - mono1;
+    let least = before_second.duration_since(after_first).as_secs_f64();
+    let most = after_second.duration_since(before_first).as_secs_f64();
+    assert!(
+        guest >= least - 0.05 && guest <= most + 0.05,
+        "the guest's monotonic clock advanced {guest:.3} s while {least:.3}..{most:.3} s passed \
+         on the host"
+    );
+    // A snapshot of this sandbox restored a few seconds later: whatever the restore does to
+    // the guest's counter (on kvm_pvm it jumps by the seconds in between), the two clocks still
+    // agree and the monotonic clock did not go back.
+    let dir = tempfile::tempdir().unwrap();
+    let snap = dir.path().join("snap");
+    sb.snapshot(&snap).expect("snapshot");
+    std::thread::sleep(Duration::from_secs(3));
+    let opts = ember_sandbox::SandboxOptions {
+        vmm: Some(ember_tests::bin("ember-vmm")),
+        ..Default::default()
+    };
+    let clone = ember_sandbox::Sandbox::restore(&snap, &opts).expect("restore");
+    let (mono3, offset3, _) = clocks(&clone);
+    assert!(
+        (offset3 - offset1).abs() < 0.05,
+        "across a restore CLOCK_MONOTONIC - CLOCK_MONOTONIC_RAW went from {offset1} to {offset3}"
+    );
+    assert!(
+        mono3 > mono2,
+        "the clone's monotonic clock {mono3} is behind the snapshot's {mono2}"
+    );
+}

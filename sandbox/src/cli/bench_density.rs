@@ -17,7 +17,11 @@
 //!   guest time is its user time) and of the server process, as a percentage of one CPU over a
 //!   window;
 //! - the server's own footprint: open file descriptors, threads, RSS;
-//! - **answers**: every sandbox runs `1` through the API (`run_code`), and must answer.
+//! - **answers**: every sandbox must answer through the API: by default it runs `1`
+//!   (`run_code`: the interpreter's first cell in that sandbox), with `--answer ping` it
+//!   stats `/` (one agent round trip, one guest system call); and what the answers cost
+//!   in host memory (the further drop of `MemAvailable`, per answer: the pages the guest
+//!   wrote become the sandbox's own).
 //!
 //! With `--until-failure` it keeps creating past `--n` until a create fails, and reports what
 //! failed: that is the ceiling. Every sandbox is killed at the end (also after an error or a
@@ -29,7 +33,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use serde_json::{json, Value};
 
 use super::bench_api::{
@@ -37,7 +41,7 @@ use super::bench_api::{
     BenchApiError, Local, Result, Target,
 };
 use super::fail;
-use ember_sandbox::client::Client;
+use ember_sandbox::client::{segment, Client};
 use ember_sandbox::runtime::{CreateRequest, SandboxInfo};
 
 /// `ember bench density`.
@@ -64,12 +68,25 @@ pub struct BenchDensityArgs {
     /// Keep creating past N until a create fails (the ceiling), with a report point every N.
     #[arg(long)]
     pub until_failure: bool,
-    /// Do not run `1` in every sandbox at the report points (only at the last one).
+    /// Do not ask every sandbox for an answer at the report points (only at the last one).
     #[arg(long)]
     pub answer_last_only: bool,
+    /// How each sandbox answers: `code` runs `1` (the interpreter's first cell in it, which
+    /// writes a few MiB of guest memory), `ping` stats `/` through the agent.
+    #[arg(long, value_enum, default_value_t = Answer::Code)]
+    pub answer: Answer,
     /// Also write every figure as one JSON object per line here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+/// What each sandbox is asked, to show it answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Answer {
+    /// `run_code` of `1`: must give `1`.
+    Code,
+    /// A stat of `/` through the agent: must say it is a directory.
+    Ping,
 }
 
 /// `/proc/meminfo` fields, KiB.
@@ -217,6 +234,11 @@ fn measure(
     let mut answered = Value::Null;
     if answer {
         answered = answer_all(a, &target.client, live)?;
+        // What answering cost the host: pages the guests wrote became their own.
+        let after = meminfo();
+        let n = answered["answered"].as_u64().unwrap_or(0).max(1);
+        answered["host_mib_per_answer"] =
+            json!((mem.available as f64 - after.available as f64) / 1024.0 / n as f64);
     }
     Ok(json!({
         "sandboxes": k,
@@ -236,7 +258,27 @@ fn measure(
     }))
 }
 
-/// Runs `1` in every live sandbox with the bench's clients; every one must answer.
+/// One answer of sandbox `id`: (ms, what it said), or why not.
+fn ask(a: &BenchDensityArgs, client: &Client, id: &str) -> std::result::Result<f64, String> {
+    let t0 = Instant::now();
+    match a.answer {
+        Answer::Code => match api_run(client, id, "1", t0) {
+            Ok((ms, text)) if text == "1" => Ok(ms),
+            Ok((_, text)) => Err(format!("{id}: `1` gave {text:?}")),
+            Err(e) => Err(e.to_string()),
+        },
+        Answer::Ping => {
+            let path = format!("/v1/sandboxes/{}/files/stat", segment(id));
+            match client.get::<Value>(&path, &[("path", "/".to_string())]) {
+                Ok(v) if v["type"] == "dir" => Ok(ms_since(t0)),
+                Ok(v) => Err(format!("{id}: stat of / gave {v}")),
+                Err(e) => Err(format!("{id}: stat of /: {e}")),
+            }
+        }
+    }
+}
+
+/// Asks every live sandbox for an answer with the bench's clients; every one must answer.
 fn answer_all(a: &BenchDensityArgs, client: &Client, live: &[(String, u32)]) -> Result<Value> {
     let next = AtomicUsize::new(0);
     let times = Mutex::new(Vec::with_capacity(live.len()));
@@ -250,13 +292,9 @@ fn answer_all(a: &BenchDensityArgs, client: &Client, live: &[(String, u32)]) -> 
                 if check_interrupt().is_err() {
                     break;
                 }
-                match api_run(client, id, "1", Instant::now()) {
-                    Ok((ms, text)) if text == "1" => times.lock().unwrap().push(ms),
-                    Ok((_, text)) => errors
-                        .lock()
-                        .unwrap()
-                        .push(format!("{id}: `1` gave {text:?}")),
-                    Err(e) => errors.lock().unwrap().push(e.to_string()),
+                match ask(a, client, id) {
+                    Ok(ms) => times.lock().unwrap().push(ms),
+                    Err(e) => errors.lock().unwrap().push(e),
                 }
             });
         }
@@ -289,11 +327,12 @@ fn print_point(v: &Value) {
         "-".to_string()
     } else {
         format!(
-            "{}/{} (median {:.0} ms, p95 {:.0} ms)",
+            "{}/{} (median {:.0} ms, p95 {:.0} ms, {:.2} MiB each)",
             ans["answered"],
             v["sandboxes"],
             ans["median_ms"].as_f64().unwrap_or(f64::NAN),
-            ans["p95_ms"].as_f64().unwrap_or(f64::NAN)
+            ans["p95_ms"].as_f64().unwrap_or(f64::NAN),
+            ans["host_mib_per_answer"].as_f64().unwrap_or(f64::NAN)
         )
     };
     println!(
@@ -360,7 +399,7 @@ fn run(a: &BenchDensityArgs) -> Result<()> {
         None => None,
     };
     eprintln!(
-        "density: template {}, up to {} sandboxes{}, {} clients, open-file limit {nofile}",
+        "density: template {}, up to {} sandboxes{}, {} clients, answers by {:?}, open-file limit {nofile}",
         a.template,
         a.n,
         if a.until_failure {
@@ -368,7 +407,8 @@ fn run(a: &BenchDensityArgs) -> Result<()> {
         } else {
             ""
         },
-        a.clients
+        a.clients,
+        a.answer
     );
     let base = meminfo();
     let live: Mutex<Vec<(String, u32)>> = Mutex::new(Vec::new());
