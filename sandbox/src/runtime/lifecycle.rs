@@ -704,8 +704,11 @@ impl Runtime {
                 ))
             }
         }
+        // Where a pause's time goes, for the log line at the end.
+        let mut phases = Phases::start();
         self.transition(&slot, &mut st, State::Pausing, Some(reason.to_string()));
         let st = self.drain(&slot, st);
+        phases.mark("drain");
         let Some(vm) = st.vm.clone() else {
             return Err(RuntimeError::Internal(format!("sandbox {id} has no VM")));
         };
@@ -714,14 +717,19 @@ impl Runtime {
         if let Err(e) = self.collect_from(&row, &vm) {
             tracing::warn!("sandbox {id}: artifacts not collected: {e}");
         }
+        phases.mark("artifacts");
         let dest = self.inner.cfg.sandbox_dir(id).join("pause");
         let snap = self.pause_snapshot(&vm, &row, &dest);
+        phases.mark("snapshot");
         let mut st = lock(&slot.st);
         match snap {
             Ok(()) => {
                 self.stop_vm(&mut st);
+                phases.mark("stop");
                 st.row.pause_dir = Some(dest);
                 self.transition(&slot, &mut st, State::Paused, Some(reason.to_string()));
+                phases.mark("record");
+                tracing::info!("sandbox {id}: paused in {phases}");
                 Ok(st.row.info())
             }
             Err(e) => {
@@ -1497,4 +1505,66 @@ fn copy_dir(src: &Path, dest: &Path) -> Result<(), RuntimeError> {
         }
     }
     Ok(())
+}
+
+/// Named steps of one operation and the time each took, shown as
+/// `123.4 ms (drain 1.0, artifacts 80.2, …)`.
+struct Phases {
+    start: Instant,
+    last: Instant,
+    steps: Vec<(&'static str, Duration)>,
+}
+
+impl Phases {
+    fn start() -> Self {
+        let now = Instant::now();
+        Phases {
+            start: now,
+            last: now,
+            steps: Vec::new(),
+        }
+    }
+
+    /// Ends the step called `name` now.
+    fn mark(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.steps.push((name, now - self.last));
+        self.last = now;
+    }
+}
+
+impl std::fmt::Display for Phases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        write!(f, "{:.1} ms (", ms(self.last - self.start))?;
+        for (i, (name, d)) in self.steps.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{name} {:.1}", ms(*d))?;
+        }
+        write!(f, ")")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phases_show_the_total_and_each_step_in_order() {
+        let t0 = Instant::now();
+        let p = Phases {
+            start: t0,
+            last: t0 + Duration::from_micros(3_500),
+            steps: vec![
+                ("drain", Duration::from_micros(1_000)),
+                ("snapshot", Duration::from_micros(2_500)),
+            ],
+        };
+        assert_eq!(p.to_string(), "3.5 ms (drain 1.0, snapshot 2.5)");
+        let mut q = Phases::start();
+        q.mark("a");
+        q.mark("b");
+        let shown = q.to_string();
+        assert!(shown.contains("(a ") && shown.contains(", b "), "{shown}");
+    }
 }
