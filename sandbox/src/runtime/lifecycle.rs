@@ -590,14 +590,19 @@ impl Runtime {
     fn stop_vm(&self, st: &mut SlotState) {
         st.expected_exit = true;
         if let Some(vm) = st.vm.take() {
+            let mut phases = Phases::start();
             let _ = vm.sandbox.kill();
+            phases.mark("kill");
             if let Err(e) = jailed::release_jail(&vm.jail) {
                 tracing::error!("sandbox {}: {e}", st.row.id);
             }
+            phases.mark("jail");
             if let Some(net) = &vm.net {
                 self.audit_net_drops(&st.row.id, net);
                 self.inner.net.teardown(net);
             }
+            phases.mark("network");
+            tracing::debug!("sandbox {}: VM stopped in {phases}", st.row.id);
         }
         self.free_uid(st.row.uid.take());
         st.row.jail_id = None;
