@@ -281,6 +281,7 @@ impl Runtime {
                 vm: None,
                 inflight: 0,
                 expected_exit: false,
+                retiring: None,
                 expiring: false,
                 paused_ms: None,
             }),
@@ -590,23 +591,59 @@ impl Runtime {
     fn stop_vm(&self, st: &mut SlotState) {
         st.expected_exit = true;
         if let Some(vm) = st.vm.take() {
-            let mut phases = Phases::start();
-            let _ = vm.sandbox.kill();
-            phases.mark("kill");
-            if let Err(e) = jailed::release_jail(&vm.jail) {
-                tracing::error!("sandbox {}: {e}", st.row.id);
-            }
-            phases.mark("jail");
-            if let Some(net) = &vm.net {
-                self.audit_net_drops(&st.row.id, net);
-                self.inner.net.teardown(net);
-            }
-            phases.mark("network");
-            tracing::debug!("sandbox {}: VM stopped in {phases}", st.row.id);
+            self.release_vm(&st.row.id, &vm);
         }
         self.free_uid(st.row.uid.take());
         st.row.jail_id = None;
         st.row.pid = None;
+    }
+
+    /// [`Self::stop_vm`] for a VMM whose work is done (a pause snapshot is on disk): the slot
+    /// lets go of it at once and a thread kills it and releases its jail, network and uid, off
+    /// the caller's path (the kernel's teardown of a VM and of a network namespace take tens
+    /// of milliseconds). [`Self::settle`], which every later operation on the slot goes
+    /// through, waits for that thread first.
+    fn retire_vm(&self, st: &mut SlotState) {
+        st.expected_exit = true;
+        let uid = st.row.uid.take();
+        st.row.jail_id = None;
+        st.row.pid = None;
+        let Some(vm) = st.vm.take() else {
+            self.free_uid(uid);
+            return;
+        };
+        let (rt, id, theirs) = (self.clone(), st.row.id.clone(), Arc::clone(&vm));
+        let spawned = std::thread::Builder::new()
+            .name("ember-retire".into())
+            .spawn(move || {
+                rt.release_vm(&id, &theirs);
+                rt.free_uid(uid);
+            });
+        match spawned {
+            Ok(handle) => st.retiring = Some(handle),
+            Err(e) => {
+                tracing::warn!("sandbox {}: stopping its VM inline: {e}", st.row.id);
+                self.release_vm(&st.row.id, &vm);
+                self.free_uid(uid);
+            }
+        }
+    }
+
+    /// Kills a VMM the slot no longer holds and releases its jail and network.
+    fn release_vm(&self, id: &str, vm: &Live) {
+        let mut phases = Phases::start();
+        let _ = vm.sandbox.kill();
+        phases.mark("kill");
+        if let Err(e) = jailed::release_jail(&vm.jail) {
+            tracing::error!("sandbox {id}: {e}");
+        }
+        phases.mark("jail");
+        if let Some(net) = &vm.net {
+            self.audit_net_drops(id, net);
+            self.inner.net.teardown(net);
+        }
+        phases.mark("network");
+        tracing::debug!("sandbox {id}: VM stopped in {phases}");
     }
 
     /// Waits while the sandbox is in a transient state.
@@ -615,6 +652,13 @@ impl Runtime {
         slot: &'a Slot,
         mut st: std::sync::MutexGuard<'a, SlotState>,
     ) -> std::sync::MutexGuard<'a, SlotState> {
+        // A VMM retired by a pause is gone, with its jail and network, before anything else
+        // happens to the sandbox (the thread never takes a slot lock).
+        if let Some(retiring) = st.retiring.take() {
+            if retiring.join().is_err() {
+                tracing::error!("sandbox {}: stopping its VM panicked", st.row.id);
+            }
+        }
         let deadline = Instant::now() + Duration::from_secs(600);
         while matches!(
             st.row.state,
@@ -729,7 +773,7 @@ impl Runtime {
         let mut st = lock(&slot.st);
         match snap {
             Ok(()) => {
-                self.stop_vm(&mut st);
+                self.retire_vm(&mut st);
                 phases.mark("stop");
                 st.row.pause_dir = Some(dest);
                 self.transition(&slot, &mut st, State::Paused, Some(reason.to_string()));
@@ -1325,6 +1369,7 @@ impl Runtime {
                     vm: None,
                     inflight: 0,
                     expected_exit: false,
+                    retiring: None,
                     expiring: false,
                     paused_ms: None,
                 }),

@@ -86,6 +86,8 @@ struct SlotState {
     expiring: bool,
     /// When it was paused (ms), for the paused retention.
     paused_ms: Option<i64>,
+    /// The thread stopping a VMM a pause let go of (see `retire_vm`).
+    retiring: Option<std::thread::JoinHandle<()>>,
 }
 
 /// Counts a call in flight; decrements on drop.
