@@ -413,7 +413,14 @@ fn playwright_and_puppeteer_drive_isolated_browser_sandboxes() {
     struct KillServer<'a>(&'a mut std::process::Child);
     impl Drop for KillServer<'_> {
         fn drop(&mut self) {
-            // SIGTERM: the server kills nothing, so the sandboxes go first (below).
+            // SIGTERM, so that the server removes its cgroup parents and host table (it kills
+            // no sandbox: those go first, below); SIGKILL only if it has not exited in 10 s.
+            // SAFETY: kill(2) with the server's pid and SIGTERM; no memory is involved.
+            unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+            let t0 = Instant::now();
+            while matches!(self.0.try_wait(), Ok(None)) && t0.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
             let _ = self.0.kill();
             let _ = self.0.wait();
         }
