@@ -258,7 +258,7 @@ fn measure(
     }))
 }
 
-/// One answer of sandbox `id`: (ms, what it said), or why not.
+/// One answer of sandbox `id`: how long it took (ms), or why it was not the right one.
 fn ask(a: &BenchDensityArgs, client: &Client, id: &str) -> std::result::Result<f64, String> {
     let t0 = Instant::now();
     match a.answer {

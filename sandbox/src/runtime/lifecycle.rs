@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use ember_jailer::jail::Timings;
 use ember_jailer::CgroupLimits;
 
 use super::jailed::{self, Live, StartSpec};
@@ -631,7 +632,7 @@ impl Runtime {
 
     /// Kills a VMM the slot no longer holds and releases its jail and network.
     fn release_vm(&self, id: &str, vm: &Live) {
-        let mut phases = Phases::start();
+        let mut phases = Timings::new();
         let _ = vm.sandbox.kill();
         phases.mark("kill");
         if let Err(e) = jailed::release_jail(&vm.jail) {
@@ -643,7 +644,7 @@ impl Runtime {
             self.inner.net.teardown(net);
         }
         phases.mark("network");
-        tracing::debug!("sandbox {id}: VM stopped in {phases}");
+        tracing::debug!("sandbox {id}: VM stopped: {}", phases.summary());
     }
 
     /// Waits while the sandbox is in a transient state.
@@ -754,7 +755,7 @@ impl Runtime {
             }
         }
         // Where a pause's time goes, for the log line at the end.
-        let mut phases = Phases::start();
+        let mut phases = Timings::new();
         self.transition(&slot, &mut st, State::Pausing, Some(reason.to_string()));
         let st = self.drain(&slot, st);
         phases.mark("drain");
@@ -778,7 +779,7 @@ impl Runtime {
                 st.row.pause_dir = Some(dest);
                 self.transition(&slot, &mut st, State::Paused, Some(reason.to_string()));
                 phases.mark("record");
-                tracing::info!("sandbox {id}: paused in {phases}");
+                tracing::info!("sandbox {id}: paused: {}", phases.summary());
                 Ok(st.row.info())
             }
             Err(e) => {
@@ -1555,66 +1556,4 @@ fn copy_dir(src: &Path, dest: &Path) -> Result<(), RuntimeError> {
         }
     }
     Ok(())
-}
-
-/// Named steps of one operation and the time each took, shown as
-/// `123.4 ms (drain 1.0, artifacts 80.2, …)`.
-struct Phases {
-    start: Instant,
-    last: Instant,
-    steps: Vec<(&'static str, Duration)>,
-}
-
-impl Phases {
-    fn start() -> Self {
-        let now = Instant::now();
-        Phases {
-            start: now,
-            last: now,
-            steps: Vec::new(),
-        }
-    }
-
-    /// Ends the step called `name` now.
-    fn mark(&mut self, name: &'static str) {
-        let now = Instant::now();
-        self.steps.push((name, now - self.last));
-        self.last = now;
-    }
-}
-
-impl std::fmt::Display for Phases {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-        write!(f, "{:.1} ms (", ms(self.last - self.start))?;
-        for (i, (name, d)) in self.steps.iter().enumerate() {
-            let sep = if i == 0 { "" } else { ", " };
-            write!(f, "{sep}{name} {:.1}", ms(*d))?;
-        }
-        write!(f, ")")
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn phases_show_the_total_and_each_step_in_order() {
-        let t0 = Instant::now();
-        let p = Phases {
-            start: t0,
-            last: t0 + Duration::from_micros(3_500),
-            steps: vec![
-                ("drain", Duration::from_micros(1_000)),
-                ("snapshot", Duration::from_micros(2_500)),
-            ],
-        };
-        assert_eq!(p.to_string(), "3.5 ms (drain 1.0, snapshot 2.5)");
-        let mut q = Phases::start();
-        q.mark("a");
-        q.mark("b");
-        let shown = q.to_string();
-        assert!(shown.contains("(a ") && shown.contains(", b "), "{shown}");
-    }
 }
