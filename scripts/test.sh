@@ -1,28 +1,74 @@
 #!/usr/bin/env bash
-# The test command: builds every binary (the end-to-end tests run the real `ember`,
-# `ember-vmm` and `ember-jailer`), then runs all unit and integration tests. Needs root and
-# /dev/kvm; builds the guest kernel and rootfs on first use if they are not cached.
+# The test command: installs the test prerequisites (scripts/test-prereqs.sh; a quick check
+# when they are there), builds every binary (the end-to-end tests run the real `ember`,
+# `ember-vmm` and `ember-jailer`), then runs all unit and integration tests and ends with one
+# line `tests: N passed, N failed, N skipped, N ignored` and the skipped tests with their
+# reasons. Needs root and /dev/kvm; builds the guest kernel and rootfs on first use if they
+# are not cached. Exits non-zero when a test failed. cargo's output is also kept in
+# ${CARGO_TARGET_DIR:-target}/test.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --workspace --bins
-# Runs installer $1 (it prints EMBER_*=path lines last) and exports what it prints, unless
-# variable $2 is set already (.ci/run has done it); a failed install only warns, and the test
-# that needs it ($3) says so.
-install_and_export() {
-    local script=$1 already=$2 test=$3 out line
-    [[ -z "${!already:-}" ]] || return 0
-    if out=$(bash "$script"); then
-        while IFS= read -r line; do
-            [[ $line =~ ^EMBER_[A-Z0-9_]+= ]] && export "${line?}"
-        done <<<"$out"
-    else
-        echo "warning: $script failed; $test will say what is missing" >&2
+ci=false
+[[ "${CI:-}" == true ]] && ci=true
+
+# The Debian packages, the pinned E2B SDKs (tests/e2b.rs) and CDP clients (tests/browser.rs).
+# The EMBER_* paths it prints are exported, unless set already. A failed install stops the run
+# under CI=true; elsewhere it warns, and the tests that need what is missing are skipped and
+# listed at the end.
+prereqs_ok=true
+prereqs=$(bash scripts/test-prereqs.sh) || prereqs_ok=false
+while IFS= read -r line; do
+    [[ $line =~ ^(EMBER_[A-Z0-9_]+)= ]] || continue
+    [[ -n "${!BASH_REMATCH[1]:-}" ]] || export "${line?}"
+done <<<"$prereqs"
+if ! $prereqs_ok; then
+    if $ci; then
+        echo "error: scripts/test-prereqs.sh failed (CI=true: the tests would fail on it)" >&2
+        exit 1
     fi
-}
-# The pinned E2B SDKs (tests/e2b.rs) and CDP clients (tests/browser.rs: Playwright for
-# Python, puppeteer-core), each cached by the hash of its pins.
-install_and_export scripts/e2b-sdks.sh EMBER_E2B_VENV tests/e2b.rs
-install_and_export scripts/browser-clients.sh EMBER_BROWSER_VENV tests/browser.rs
+    echo "warning: scripts/test-prereqs.sh failed; the tests that need what is missing will be" \
+        "skipped (listed at the end)" >&2
+fi
+
+cargo build --workspace --bins
 python3 -m unittest discover -s rootfs -p "test_*.py"
+
+# Each skip (ember_tests::skip) appends `<test>: <why>` here.
+EMBER_SKIP_LOG=$(mktemp -t ember-skips.XXXXXX)
+export EMBER_SKIP_LOG
+trap 'rm -f "$EMBER_SKIP_LOG"' EXIT
+log="${CARGO_TARGET_DIR:-target}/test.log"
+mkdir -p "$(dirname "$log")"
 # Guest boots are slow on kvm_pvm and the machine has 2 cores: two test threads.
-cargo test --workspace --no-fail-fast -- --test-threads=2
+status=0
+# cargo's exit status (or 1 when only the tee failed), not the pipeline's.
+cargo test --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee "$log" ||
+    status=$((PIPESTATUS[0] ? PIPESTATUS[0] : 1))
+
+# The summary: the sums of every `test result:` line, and the skip log.
+read -r passed failed ignored < <(awk '
+    /^test result:/ {
+        for (i = 2; i <= NF; i++) {
+            w = $i; sub(/[;,.]$/, "", w)
+            if (w == "passed") p += $(i - 1)
+            else if (w == "failed") f += $(i - 1)
+            else if (w == "ignored") g += $(i - 1)
+        }
+    }
+    END { printf "%d %d %d\n", p, f, g }' "$log")
+skipped=$(grep -c . "$EMBER_SKIP_LOG" || true)
+echo
+echo "tests: $passed passed, $failed failed, $skipped skipped"
+echo "($ignored ignored: #[ignore] tests, run by hand)"
+if ((skipped)); then
+    echo "skipped:"
+    sed 's/^/  /' "$EMBER_SKIP_LOG"
+fi
+if ((failed)); then
+    echo "failed:"
+    grep -E '^test .* \.\.\. FAILED$' "$log" | sed -E 's/^test (.*) \.\.\. FAILED$/  \1/' || true
+fi
+if ((status != 0)); then
+    echo "cargo test exited with status $status (full output: $log)"
+fi
+exit "$status"

@@ -1,12 +1,12 @@
-//! The runtime's start gate (sandbox/src/runtime/gate.rs) with real VMs: with
+//! The runtime's start gate (runtime/src/gate.rs) with real VMs: with
 //! `max_starting = 1`, creates issued at once wait in line instead of starting together,
 //! every one of them still succeeds and answers, and the create records say how long each
 //! waited.
 
 use std::sync::Arc;
 
-use ember_sandbox::runtime::CreateRequest;
-use ember_sandbox::Runtime;
+use ember_runtime::CreateRequest;
+use ember_runtime::Runtime;
 use ember_tests::{runtime_config, template};
 
 #[test]

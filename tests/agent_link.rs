@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ember_agent::protocol::{EndStatus, EventKind, ExecRequest};
-use ember_sandbox::agent_link::{self, KeptConnection};
-use ember_sandbox::runtime::{CreateRequest, ForkRequest, SnapshotRequest};
-use ember_sandbox::{Runtime, Sandbox, SandboxOptions};
+use ember_runtime::agent_link::{self, KeptConnection};
+use ember_runtime::{CreateRequest, ForkRequest, SnapshotRequest};
+use ember_runtime::{Runtime, Sandbox, SandboxOptions};
 use ember_tests::{bin, runtime_for_test as runtime, template};
 
 fn code(rt: &Runtime, id: &str, src: &str) -> Option<String> {

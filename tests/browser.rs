@@ -5,7 +5,7 @@
 //! `scripts/browser-clients.sh` into `$EMBER_CACHE/browser` (this test finds them through
 //! `EMBER_BROWSER_VENV` / `EMBER_BROWSER_NODE_MODULES`, or at that script's paths). Missing
 //! clients, a missing host Chromium, no root or no KVM fail the test under `CI=true` and skip
-//! it (printing `SKIPPED: …`) otherwise.
+//! it otherwise (`ember_tests::skip`: printed, and counted and listed by `scripts/test.sh`).
 //!
 //! Nothing leaves the machine: the test page comes from a web server in a namespace this test
 //! creates, reached through an uplink whose only neighbour is that namespace; names resolve
@@ -77,7 +77,7 @@ fn clients_dir() -> PathBuf {
 /// The host Chromium (for the live view), the Playwright venv's python and puppeteer-core's
 /// node_modules, or why the test cannot run.
 fn prerequisites() -> Option<(PathBuf, PathBuf, PathBuf)> {
-    let cache = ember_sandbox::paths::cache_dir().join("browser");
+    let cache = ember_runtime::paths::cache_dir().join("browser");
     let venv = std::env::var_os("EMBER_BROWSER_VENV")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
@@ -133,8 +133,10 @@ fn prerequisites() -> Option<(PathBuf, PathBuf, PathBuf)> {
         return Some((chromium, venv.join("bin/python"), nm));
     }
     let why = format!("the browser test needs: {}", missing.join(", "));
-    assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
-    eprintln!("SKIPPED: {why}");
+    ember_tests::skip(
+        "playwright_and_puppeteer_drive_isolated_browser_sandboxes",
+        &why,
+    );
     None
 }
 

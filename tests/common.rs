@@ -3,7 +3,8 @@
 //! The binaries come from the same target directory as the test (run `cargo build --workspace
 //! --bins` first; `.ci/run` does). The guest kernel and rootfs come from `$EMBER_TEST_KERNEL`
 //! / `$EMBER_TEST_ROOTFS`, or else from the repo's build scripts (cached). A missing image is
-//! a test failure, never a skip.
+//! a test failure, never a skip. A missing host prerequisite (root, a tool, a client library)
+//! is reported through [`skip`]: a failure under `CI=true`, a counted and listed skip elsewhere.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -25,7 +26,7 @@ pub fn bin(name: &str) -> PathBuf {
 pub fn kernel() -> PathBuf {
     std::env::var_os("EMBER_TEST_KERNEL")
         .map(PathBuf::from)
-        .unwrap_or_else(|| ember_sandbox::images::default_kernel().expect("default kernel"))
+        .unwrap_or_else(|| ember_runtime::images::default_kernel().expect("default kernel"))
 }
 
 /// The guest root filesystem under test.
@@ -33,7 +34,7 @@ pub fn rootfs() -> PathBuf {
     std::env::var_os("EMBER_TEST_ROOTFS")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
-            ember_sandbox::images::default_rootfs("default").expect("default rootfs")
+            ember_runtime::images::default_rootfs("default").expect("default rootfs")
         })
 }
 
@@ -70,6 +71,40 @@ pub fn boot_json(args: &[&str]) -> (serde_json::Value, String, Output) {
         panic!("ember vm boot --json printed no JSON ({e}): stdout {stdout:?}\nstderr:\n{stderr}")
     });
     (json, stderr, out)
+}
+
+/// Skips (the rest of) test `test` for want of a prerequisite `why`, visibly: under `CI=true` a
+/// skip is a failure (this panics); elsewhere it prints `SKIPPED: <test>: <why>` to stderr and
+/// appends `<test>: <why>` as one line to the file `$EMBER_SKIP_LOG` names, if set
+/// (`scripts/test.sh` sets it, then counts and lists the skips in its summary). The caller
+/// returns (or leaves out the part) after it. A part of a test left out is named
+/// `<test> (in part: <what>)`.
+pub fn skip(test: &str, why: &str) {
+    let line = format!(
+        "{test}: {}",
+        why.split_whitespace().collect::<Vec<_>>().join(" ")
+    );
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "a skip under CI=true is a failure: {line}"
+    );
+    eprintln!("SKIPPED: {line}");
+    if let Some(log) = std::env::var_os("EMBER_SKIP_LOG") {
+        use std::io::Write;
+        // One write of the whole line to a file opened for appending: lines of tests running
+        // at the same time do not interleave.
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .and_then(|mut f| f.write_all(format!("{line}\n").as_bytes()));
+        if let Err(e) = written {
+            panic!(
+                "cannot record the skip in EMBER_SKIP_LOG={}: {e}",
+                std::path::Path::new(&log).display()
+            );
+        }
+    }
 }
 
 /// True when /dev/kvm is kvm_pvm.
@@ -368,22 +403,22 @@ pub fn sha256_hex(data: &[u8]) -> String {
 
 /// Template `name`, built (once, then cached in `$EMBER_CACHE/templates`) with the test kernel
 /// and this build's VMM. Build progress goes to stderr.
-pub fn template(name: &str) -> ember_sandbox::Template {
+pub fn template(name: &str) -> ember_runtime::Template {
     use std::collections::HashMap;
     use std::sync::{Mutex, OnceLock};
-    static BUILT: OnceLock<Mutex<HashMap<String, ember_sandbox::Template>>> = OnceLock::new();
+    static BUILT: OnceLock<Mutex<HashMap<String, ember_runtime::Template>>> = OnceLock::new();
     let built = BUILT.get_or_init(|| Mutex::new(HashMap::new()));
     let mut built = built.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(t) = built.get(name) {
         return t.clone();
     }
-    let opts = ember_sandbox::BuildOptions {
+    let opts = ember_runtime::BuildOptions {
         kernel: Some(kernel()),
         vmm: Some(bin("ember-vmm")),
         ..Default::default()
     };
     let t0 = std::time::Instant::now();
-    let t = ember_sandbox::Template::build(name, &opts, &mut |ev| {
+    let t = ember_runtime::Template::build(name, &opts, &mut |ev| {
         eprintln!(
             "[template {name} {:6.1}s] {ev:?}",
             t0.elapsed().as_secs_f64()
@@ -395,17 +430,17 @@ pub fn template(name: &str) -> ember_sandbox::Template {
 }
 
 /// A new sandbox from template `name`, with this build's VMM.
-pub fn sandbox(name: &str) -> ember_sandbox::Sandbox {
+pub fn sandbox(name: &str) -> ember_runtime::Sandbox {
     let t = template(name);
-    let opts = ember_sandbox::SandboxOptions {
+    let opts = ember_runtime::SandboxOptions {
         vmm: Some(bin("ember-vmm")),
         ..Default::default()
     };
-    ember_sandbox::Sandbox::create(&t, &opts).unwrap_or_else(|e| panic!("sandbox from {name}: {e}"))
+    ember_runtime::Sandbox::create(&t, &opts).unwrap_or_else(|e| panic!("sandbox from {name}: {e}"))
 }
 
 /// Runs `code` in the default context of `sb`, asserting the call itself worked.
-pub fn run(sb: &ember_sandbox::Sandbox, code: &str) -> ember_sandbox::Execution {
+pub fn run(sb: &ember_runtime::Sandbox, code: &str) -> ember_runtime::Execution {
     sb.run(code)
         .unwrap_or_else(|e| panic!("run_code {code:?}: {e}"))
 }
@@ -425,8 +460,8 @@ pub fn decode_png(png: &[u8]) -> (u32, u32, usize) {
 
 /// Runtime settings for a test: `home` as `$EMBER_HOME`, this build's VMM and jailer, and
 /// sandboxes killed when the runtime is dropped (a failing test leaves no VM behind).
-pub fn runtime_config(home: &std::path::Path) -> ember_sandbox::RuntimeConfig {
-    let mut cfg = ember_sandbox::RuntimeConfig::new(home);
+pub fn runtime_config(home: &std::path::Path) -> ember_runtime::RuntimeConfig {
+    let mut cfg = ember_runtime::RuntimeConfig::new(home);
     cfg.vmm = Some(bin("ember-vmm"));
     cfg.jailer = Some(bin("ember-jailer"));
     cfg.kill_on_drop = true;
@@ -441,28 +476,28 @@ pub fn runtime_config(home: &std::path::Path) -> ember_sandbox::RuntimeConfig {
 }
 
 /// A runtime on a fresh `$EMBER_HOME` (the templates it restores are built first, once).
-pub fn runtime_for_test() -> (tempfile::TempDir, ember_sandbox::Runtime) {
+pub fn runtime_for_test() -> (tempfile::TempDir, ember_runtime::Runtime) {
     template("default");
     let home = tempfile::Builder::new()
         .prefix("ember-rt-test-")
         .tempdir_in(std::env::temp_dir())
         .expect("temp home");
-    let rt = ember_sandbox::Runtime::open(runtime_config(home.path()))
+    let rt = ember_runtime::Runtime::open(runtime_config(home.path()))
         .unwrap_or_else(|e| panic!("runtime: {e}"));
     (home, rt)
 }
 
 /// The runtime on an existing home again (a restarted server).
-pub fn reopen_runtime(home: &std::path::Path) -> ember_sandbox::Runtime {
-    ember_sandbox::Runtime::open(runtime_config(home)).unwrap_or_else(|e| panic!("runtime: {e}"))
+pub fn reopen_runtime(home: &std::path::Path) -> ember_runtime::Runtime {
+    ember_runtime::Runtime::open(runtime_config(home)).unwrap_or_else(|e| panic!("runtime: {e}"))
 }
 
 /// The `args` of sandbox `id`'s create record in `rt`'s audit log (panics when there is
 /// none): `args["vmm"]` says how its VMM started (`path` pool|fresh, `queued_ms`, the
 /// restore breakdown).
-pub fn create_record_args(rt: &ember_sandbox::Runtime, id: &str) -> serde_json::Value {
+pub fn create_record_args(rt: &ember_runtime::Runtime, id: &str) -> serde_json::Value {
     let recs = rt
-        .audit(&ember_sandbox::runtime::AuditFilter {
+        .audit(&ember_runtime::AuditFilter {
             sandbox: Some(id.to_string()),
             call: Some("create".into()),
             ..Default::default()
@@ -477,7 +512,7 @@ pub fn create_record_args(rt: &ember_sandbox::Runtime, id: &str) -> serde_json::
 /// Runs `src` in sandbox `id` of `rt`: how it ended, its stdout and its result's
 /// `text/plain` (panics when the call itself fails).
 pub fn run_code(
-    rt: &ember_sandbox::Runtime,
+    rt: &ember_runtime::Runtime,
     id: &str,
     src: &str,
 ) -> (ember_agent::protocol::EndStatus, String, Option<String>) {

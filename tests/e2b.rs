@@ -8,7 +8,7 @@
 //! `scripts/e2b-sdks.sh` into `$EMBER_CACHE/e2b`. This test finds them through
 //! `EMBER_E2B_VENV` / `EMBER_E2B_NODE_MODULES` (set by `scripts/test.sh`) or else at the paths that
 //! script uses. Missing SDKs fail the test under `CI=true` or when those variables are set, and
-//! skip it (printing `skipped: …`) otherwise.
+//! skip it otherwise (`ember_tests::skip`: printed, and counted and listed by `scripts/test.sh`).
 //!
 //! Routes:
 //! - header route: `E2B_API_URL=E2B_SANDBOX_URL=http://127.0.0.1:PORT`; sandbox requests carry
@@ -147,7 +147,7 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         // The scripts kill what they made; this catches what a crashed script left.
-        let c = ember_sandbox::client::Client::new(&self.url, Some(self.token()));
+        let c = ember_server::client::Client::new(&self.url, Some(self.token()));
         if let Ok(list) = c.list(true, None, &Default::default()) {
             for s in list.iter().filter(|s| !s.state.is_final()) {
                 let _ = c.kill(&s.id);
@@ -177,7 +177,7 @@ fn e2b_dir() -> PathBuf {
 }
 
 fn find_sdks() -> Sdks {
-    let cache = ember_sandbox::paths::cache_dir().join("e2b");
+    let cache = ember_runtime::paths::cache_dir().join("e2b");
     let venv = std::env::var_os("EMBER_E2B_VENV")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
@@ -375,12 +375,13 @@ fn e2b_sdks_work_unchanged_against_ember_serve() {
             "the E2B SDKs are missing (CI=true or EMBER_E2B_* set): {why}"
         );
         if sdks.python.is_err() && sdks.node_modules.is_err() {
-            println!("skipped: e2b_sdks_work_unchanged_against_ember_serve: {why}");
-            eprintln!("skipped: e2b_sdks_work_unchanged_against_ember_serve: {why}");
+            ember_tests::skip("e2b_sdks_work_unchanged_against_ember_serve", &why);
             return;
         }
-        println!("skipped in part: {why}");
-        eprintln!("skipped in part: {why}");
+        ember_tests::skip(
+            "e2b_sdks_work_unchanged_against_ember_serve (in part: the SDK that is missing)",
+            &why,
+        );
     }
     template("python-data");
     let home = tempfile::Builder::new()

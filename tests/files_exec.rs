@@ -57,7 +57,7 @@ fn own_hwm_kib() -> u64 {
         .unwrap()
 }
 
-fn sh(sb: &ember_sandbox::Sandbox, script: &str) -> (String, ExitStatus) {
+fn sh(sb: &ember_runtime::Sandbox, script: &str) -> (String, ExitStatus) {
     let mut out = Vec::new();
     let mut exit = None;
     let req = ExecRequest::new(["/bin/sh", "-c", script]);
@@ -76,7 +76,7 @@ fn sh(sb: &ember_sandbox::Sandbox, script: &str) -> (String, ExitStatus) {
 }
 
 /// A guest process's peak RSS in KiB.
-fn guest_hwm_kib(sb: &ember_sandbox::Sandbox, pid: u32) -> u64 {
+fn guest_hwm_kib(sb: &ember_runtime::Sandbox, pid: u32) -> u64 {
     let (out, _) = sh(sb, &format!("grep VmHWM /proc/{pid}/status"));
     out.split_whitespace()
         .nth(1)

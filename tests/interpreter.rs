@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use ember_agent::protocol::{EndStatus, EventKind, RunCodeRequest};
-use ember_sandbox::Execution;
+use ember_runtime::Execution;
 use ember_tests::{decode_png, run, sandbox};
 
 fn b64(v: &serde_json::Value) -> Vec<u8> {
@@ -91,11 +91,11 @@ fn state_survives_calls_and_a_snapshot_restore() {
     let dir = tempfile::tempdir().unwrap();
     let snap = dir.path().join("snap");
     sb.snapshot(&snap).expect("snapshot");
-    let opts = ember_sandbox::SandboxOptions {
+    let opts = ember_runtime::SandboxOptions {
         vmm: Some(ember_tests::bin("ember-vmm")),
         ..Default::default()
     };
-    let clone = ember_sandbox::Sandbox::restore(&snap, &opts).expect("restore");
+    let clone = ember_runtime::Sandbox::restore(&snap, &opts).expect("restore");
     assert_eq!(run(&clone, "bump()").text(), Some("43"));
     assert_eq!(run(&clone, "bump()").text(), Some("44"));
     assert_eq!(
@@ -316,7 +316,7 @@ fn bad_requests_get_clear_errors_and_the_sandbox_goes_on() {
 fn guest_clocks_agree_after_restores_and_an_idle_period() {
     let sb = sandbox("default");
     // (CLOCK_MONOTONIC, its difference from CLOCK_MONOTONIC_RAW, CLOCK_REALTIME), in seconds.
-    let clocks = |sb: &ember_sandbox::Sandbox| -> (f64, f64, f64) {
+    let clocks = |sb: &ember_runtime::Sandbox| -> (f64, f64, f64) {
         let x = run(
             sb,
             "import time\n\
@@ -374,11 +374,11 @@ fn guest_clocks_agree_after_restores_and_an_idle_period() {
     let snap = dir.path().join("snap");
     sb.snapshot(&snap).expect("snapshot");
     std::thread::sleep(Duration::from_secs(3));
-    let opts = ember_sandbox::SandboxOptions {
+    let opts = ember_runtime::SandboxOptions {
         vmm: Some(ember_tests::bin("ember-vmm")),
         ..Default::default()
     };
-    let clone = ember_sandbox::Sandbox::restore(&snap, &opts).expect("restore");
+    let clone = ember_runtime::Sandbox::restore(&snap, &opts).expect("restore");
     let (mono3, offset3, _) = clocks(&clone);
     assert!(
         (offset3 - offset1).abs() < 0.05,

@@ -7,10 +7,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ember_agent::protocol::{EndStatus, EventKind, RunCodeRequest};
-use ember_sandbox::runtime::{CreateRequest, State};
+use ember_runtime::{CreateRequest, State};
 use ember_tests::runtime_for_test as runtime;
 
-fn code(rt: &ember_sandbox::Runtime, id: &str, src: &str) -> (EndStatus, String) {
+fn code(rt: &ember_runtime::Runtime, id: &str, src: &str) -> (EndStatus, String) {
     let mut out = String::new();
     let req = RunCodeRequest {
         code: src.into(),
@@ -30,7 +30,7 @@ fn code(rt: &ember_sandbox::Runtime, id: &str, src: &str) -> (EndStatus, String)
 }
 
 /// Runs `src` and returns its stdout, asserting it ran cleanly.
-fn ok(rt: &ember_sandbox::Runtime, id: &str, src: &str) -> String {
+fn ok(rt: &ember_runtime::Runtime, id: &str, src: &str) -> String {
     let (st, out) = code(rt, id, src);
     assert_eq!(st, EndStatus::Ok, "{src:?}: {out}");
     out

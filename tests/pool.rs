@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ember_agent::protocol::EndStatus;
-use ember_sandbox::runtime::CreateRequest;
-use ember_sandbox::{Runtime, RuntimeConfig};
+use ember_runtime::CreateRequest;
+use ember_runtime::{Runtime, RuntimeConfig};
 use ember_tests::{runtime_config, template};
 
 fn code(rt: &Runtime, id: &str, src: &str) -> (EndStatus, String, Option<String>) {
@@ -71,11 +71,11 @@ fn status_field(status: &str, key: &str) -> String {
 /// Pids of the processes in the pool members' cgroups.
 fn pool_pids(cfg: &RuntimeConfig) -> BTreeSet<u32> {
     let mut pids = BTreeSet::new();
-    for jail in ember_sandbox::runtime::jailed::cgroup_jail_ids(cfg) {
-        if !jail.starts_with(ember_sandbox::runtime::pooled::JAIL_PREFIX) {
+    for jail in ember_runtime::jailed::cgroup_jail_ids(cfg) {
+        if !jail.starts_with(ember_runtime::pooled::JAIL_PREFIX) {
             continue;
         }
-        for dir in ember_sandbox::runtime::jailed::cgroup_dirs(cfg, &jail) {
+        for dir in ember_runtime::jailed::cgroup_dirs(cfg, &jail) {
             if let Ok(text) = std::fs::read_to_string(dir.join("cgroup.procs")) {
                 pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
             }
@@ -168,7 +168,7 @@ fn a_pooled_vmm_restores_exactly_like_a_fresh_one_and_is_jailed() {
     );
     let cgroup = std::fs::read_to_string(format!("/proc/{row_pid}/cgroup")).unwrap();
     assert!(
-        cgroup.contains(ember_sandbox::runtime::pooled::JAIL_PREFIX),
+        cgroup.contains(ember_runtime::pooled::JAIL_PREFIX),
         "{cgroup}"
     );
     // The cgroup has the limits a fresh create gets.
@@ -192,7 +192,7 @@ fn a_pooled_vmm_restores_exactly_like_a_fresh_one_and_is_jailed() {
     let kids = rt
         .fork(
             &pooled,
-            &ember_sandbox::runtime::ForkRequest {
+            &ember_runtime::ForkRequest {
                 count: 1,
                 timeout_secs: None,
                 metadata: None,
@@ -322,7 +322,7 @@ fn leftovers(cfg: &RuntimeConfig, pids: &BTreeSet<u32>, ns: &BTreeSet<String>) -
         left.extend(es.flatten().map(|e| format!("jail {:?}", e.file_name())));
     }
     left.extend(
-        ember_sandbox::runtime::jailed::cgroup_jail_ids(cfg)
+        ember_runtime::jailed::cgroup_jail_ids(cfg)
             .into_iter()
             .map(|j| format!("cgroup {j}")),
     );
@@ -345,7 +345,7 @@ fn dropping_the_runtime_leaves_no_pooled_vmm_jail_cgroup_or_namespace() {
     drop(rt);
     let left = leftovers(&cfg, &pids, &ns);
     assert!(left.is_empty(), "left behind: {left:?}");
-    let pool_dir = ember_sandbox::runtime::pooled::VmmFiller::pool_dir(&cfg);
+    let pool_dir = ember_runtime::pooled::VmmFiller::pool_dir(&cfg);
     let files = std::fs::read_dir(&pool_dir).map(|d| d.count()).unwrap_or(0);
     assert_eq!(files, 0, "{} is not empty", pool_dir.display());
 }
@@ -385,6 +385,6 @@ fn a_killed_server_s_pool_is_reclaimed_by_the_next_runtime() {
     drop(rt);
     let left = leftovers(&cfg0, &pids, &ns);
     assert!(left.is_empty(), "left behind: {left:?}");
-    let pool_dir: PathBuf = ember_sandbox::runtime::pooled::VmmFiller::pool_dir(&cfg0);
+    let pool_dir: PathBuf = ember_runtime::pooled::VmmFiller::pool_dir(&cfg0);
     assert!(!pool_dir.exists(), "{} is left", pool_dir.display());
 }

@@ -6,22 +6,20 @@
 use std::time::{Duration, Instant};
 
 use ember_agent::protocol::{EndStatus, ExecRequest, RunCodeRequest};
-use ember_sandbox::runtime::{
-    AuditFilter, CreateRequest, ForkRequest, OnTimeout, SnapshotRequest, State,
-};
+use ember_runtime::{AuditFilter, CreateRequest, ForkRequest, OnTimeout, SnapshotRequest, State};
 use ember_tests::runtime_for_test as runtime;
 
-fn code(rt: &ember_sandbox::Runtime, id: &str, src: &str) -> (EndStatus, String, Option<String>) {
+fn code(rt: &ember_runtime::Runtime, id: &str, src: &str) -> (EndStatus, String, Option<String>) {
     ember_tests::run_code(rt, id, src)
 }
 
-fn create(rt: &ember_sandbox::Runtime, req: CreateRequest) -> String {
+fn create(rt: &ember_runtime::Runtime, req: CreateRequest) -> String {
     rt.create(&req)
         .unwrap_or_else(|e| panic!("create {req:?}: {e}"))
         .id
 }
 
-fn wait_state(rt: &ember_sandbox::Runtime, id: &str, want: State, within: Duration) {
+fn wait_state(rt: &ember_runtime::Runtime, id: &str, want: State, within: Duration) {
     let t0 = Instant::now();
     loop {
         let s = rt.get(id).unwrap().state;
@@ -319,7 +317,7 @@ fn capacity_is_refused_clearly() {
     drop(_rt);
     let mut cfg = ember_tests::runtime_config(home.path());
     cfg.max_running = 1;
-    let rt = ember_sandbox::Runtime::open(cfg).unwrap();
+    let rt = ember_runtime::Runtime::open(cfg).unwrap();
     let a = create(&rt, CreateRequest::default());
     let e = rt.create(&CreateRequest::default()).unwrap_err();
     assert_eq!(e.code(), "capacity", "{e}");

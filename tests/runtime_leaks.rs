@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use ember_agent::protocol::RunCodeRequest;
-use ember_sandbox::runtime::{CreateRequest, State};
+use ember_runtime::{CreateRequest, State};
 use ember_tests::runtime_for_test as runtime;
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -49,7 +49,7 @@ fn count_tree(p: &Path) -> usize {
 }
 
 /// VMM processes in this runtime's cgroups (other runtimes on the host do not count).
-fn vmm_processes(rt: &ember_sandbox::Runtime) -> usize {
+fn vmm_processes(rt: &ember_runtime::Runtime) -> usize {
     let parent = rt.config().cgroup_parent();
     let parent = format!("/{}/", parent.display());
     std::fs::read_dir("/proc")
@@ -68,7 +68,7 @@ fn vmm_processes(rt: &ember_sandbox::Runtime) -> usize {
 
 /// What the runtime holds, once the threads of earlier tests' runtimes have ended (their
 /// timer and watcher threads notice within a second).
-fn held(rt: &ember_sandbox::Runtime) -> Held {
+fn held(rt: &ember_runtime::Runtime) -> Held {
     std::thread::sleep(Duration::from_millis(1500));
     let cfg = rt.config();
     let home = &cfg.home;
@@ -78,7 +78,7 @@ fn held(rt: &ember_sandbox::Runtime) -> Held {
             .unwrap()
             .lines()
             .count(),
-        cgroups: ember_sandbox::runtime::jailed::cgroup_parents(cfg)
+        cgroups: ember_runtime::jailed::cgroup_parents(cfg)
             .iter()
             .map(|p| count_subdirs(p))
             .sum(),
@@ -172,7 +172,7 @@ fn a_restarted_runtime_reattaches_running_sandboxes_and_reclaims_the_rest() {
         let db = rusqlite_free_delete(home.path(), &orphan.id);
         assert!(db, "could not remove the orphan's record");
     }
-    let rt = ember_sandbox::Runtime::open(cfg).unwrap();
+    let rt = ember_runtime::Runtime::open(cfg).unwrap();
     assert_eq!(rt.get(&keep).unwrap().state, State::Running);
     let end = rt
         .run_code(&keep, &RunCodeRequest::new("print(v)"), &mut |ev| {
@@ -237,7 +237,7 @@ use libc::kill as libc_kill;
 
 /// Deletes a sandbox's row with the sqlite3 CLI-free route: the runtime's own store type.
 fn rusqlite_free_delete(home: &Path, id: &str) -> bool {
-    match ember_sandbox::store::Store::open(&home.join("ember.db")) {
+    match ember_runtime::store::Store::open(&home.join("ember.db")) {
         Ok(s) => s.purge_sandbox(id).is_ok(),
         Err(_) => false,
     }

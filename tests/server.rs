@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ember_sandbox::client::Client;
-use ember_sandbox::runtime::{CreateRequest, State};
+use ember_runtime::{CreateRequest, State};
+use ember_server::client::Client;
 use ember_tests::{bin, decode_png, template};
 use serde_json::{json, Value};
 

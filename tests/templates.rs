@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use ember_sandbox::{BuildEvent, BuildOptions, Sandbox, SandboxOptions, Template};
+use ember_runtime::{BuildEvent, BuildOptions, Sandbox, SandboxOptions, Template};
 use ember_tests::{bin, kernel, run, template};
 
 fn opts() -> BuildOptions {
@@ -43,9 +43,9 @@ fn unchanged_is_a_no_op_and_a_changed_recipe_rebuilds() {
 
     // The same recipe with another warm-up: a new key, a real build, and sandboxes from it
     // carry what the new warm-up did.
-    let src = ember_sandbox::images::source_root().unwrap();
+    let src = ember_runtime::images::source_root().unwrap();
     let recipe = std::fs::read_to_string(src.join("rootfs/templates/default.toml")).unwrap();
-    let marker = format!("changed-{}", ember_sandbox::paths::random_id());
+    let marker = format!("changed-{}", ember_runtime::paths::random_id());
     let warm = format!("code = \"open('/tmp/warm.txt', 'w').write('{marker}')\"");
     let mut lines: Vec<String> = Vec::new();
     let mut in_warmup = false;

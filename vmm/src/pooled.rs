@@ -1,7 +1,7 @@
 //! A VMM started ahead of demand: `ember-vmm --wait-restore --api-sock PATH` builds no VM. It
 //! binds its control socket, installs the `restore` seccomp filter on its main thread
 //! ([`crate::seccomp::ThreadKind::Restore`]) and waits for one request naming the snapshot to
-//! restore and the per-clone overrides. The runtime's warm pool (`sandbox/src/pool.rs`) starts
+//! restore and the per-clone overrides. The runtime's warm pool (`runtime/src/pool.rs`) starts
 //! such VMMs already jailed (namespaces, `pivot_root`, cgroup, uid dropped), so a create only
 //! pays for the restore itself.
 //!

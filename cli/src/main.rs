@@ -1,0 +1,103 @@
+//! `ember`: boot, snapshot and restore microVMs, run sandboxes, serve them, and benchmark them.
+//! One file per subcommand group; this file only names the groups.
+
+mod browser;
+mod remote;
+mod render;
+mod run;
+mod serve;
+mod template;
+mod term;
+mod tls;
+mod vm;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use ember_runtime::images;
+
+/// Prints `ember: error: MSG` and returns exit status 1.
+pub(crate) fn fail(msg: impl std::fmt::Display) -> ExitCode {
+    eprintln!("ember: error: {msg}");
+    ExitCode::from(1)
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ember",
+    version,
+    about = "KVM microVMs for running untrusted code"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+// Parsed once per process; boxing the large variants would buy nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run code in a fresh sandbox from a template, print what it produced, throw it away.
+    Run(run::RunArgs),
+    /// Build, list and remove templates (warm snapshots sandboxes start from).
+    #[command(subcommand)]
+    Template(template::TemplateCmd),
+    /// Work with single VMs.
+    #[command(subcommand)]
+    Vm(vm::VmCmd),
+    /// Benchmarks (reported, with a peer measured in the same run where available).
+    #[command(subcommand)]
+    Bench(ember_bench_cli::BenchCmd),
+    /// Serve the sandbox API over HTTP (the runtime of this host; see docs/api.md).
+    Serve(serve::ServeArgs),
+    /// Manage sandboxes on a running `ember serve` (EMBER_URL, EMBER_TOKEN).
+    Sandbox(remote::SandboxArgs),
+    /// Run code in a sandbox's context, streaming its output.
+    Code(remote::CodeArgs),
+    /// Run a program in a sandbox (`ember exec ID -- cmd args`); exits with its status.
+    Exec(remote::ExecArgs),
+    /// Copy a file into or out of a sandbox (`./f ID:/path` or `ID:/path ./f`).
+    Cp(remote::CpArgs),
+    /// List or download a sandbox's artifacts.
+    Artifacts(remote::ArtifactsArgs),
+    /// Show a sandbox's audit log.
+    Logs(remote::LogsArgs),
+    /// Save a PNG of a browser sandbox's page (`ember screenshot ID out.png`).
+    Screenshot(browser::ScreenshotArgs),
+    /// The local CA and certificate of the E2B TLS listener (`ember serve --tls-listen`).
+    #[command(subcommand)]
+    Tls(tls::TlsCmd),
+    /// Build (or locate in the cache) the default guest kernel and root filesystem.
+    Images {
+        /// Template whose root filesystem to build.
+        #[arg(long, default_value = "default")]
+        template: String,
+    },
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().cmd {
+        Cmd::Run(a) => run::main(a),
+        Cmd::Template(c) => template::main(c),
+        Cmd::Serve(a) => serve::main(a),
+        Cmd::Sandbox(a) => remote::sandbox_main(a),
+        Cmd::Code(a) => remote::code_main(a),
+        Cmd::Exec(a) => remote::exec_main(a),
+        Cmd::Cp(a) => remote::cp_main(a),
+        Cmd::Artifacts(a) => remote::artifacts_main(a),
+        Cmd::Logs(a) => remote::logs_main(a),
+        Cmd::Screenshot(a) => browser::screenshot_main(a),
+        Cmd::Tls(c) => tls::main(c),
+        Cmd::Vm(c) => vm::main(c),
+        Cmd::Bench(c) => ember_bench_cli::main(c),
+        Cmd::Images { template } => {
+            match (images::default_kernel(), images::default_rootfs(&template)) {
+                (Ok(k), Ok(r)) => {
+                    println!("kernel: {}\nrootfs: {}", k.display(), r.display());
+                    ExitCode::SUCCESS
+                }
+                (Err(e), _) | (_, Err(e)) => fail(e),
+            }
+        }
+    }
+}

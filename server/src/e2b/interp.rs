@@ -1,0 +1,672 @@
+//! The code-interpreter surface (port 49999, `docs/e2b.md` §4): `/execute` streams the
+//! agent's `run_code` events as E2B's NDJSON lines; `/contexts` maps to the agent's
+//! contexts. Languages: `python` (default) and `bash`; the others E2B knows (JavaScript,
+//! TypeScript, R, Java) are refused with a 400 naming them.
+//!
+//! `/execute` lines: `stdout`/`stderr` (with `timestamp`), `result` (MIME bundle mapped to
+//! E2B's keys, `is_main_result` true for the cell's value and false for displays), `error`
+//! (`name`, `value`, `traceback`), `number_of_executions`, `keepalive` after every
+//! [`KEEPALIVE`] without output, and always `end_of_execution` last. Never a blank line.
+//! A client that goes away interrupts the code (its next output fails to send, or, if it
+//! prints nothing, the context is interrupted when the response is dropped).
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Extension, Path, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use ember_agent::protocol::{Call, ContextCreateRequest, ErrorCode, EventKind, RunCodeRequest};
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use tokio::sync::mpsc;
+use tower::ServiceExt;
+use tracing::Span;
+
+use super::route::{gone_or, Target};
+use super::{E2bError, E2bJson, E2bState};
+use crate::backend::with_sandbox;
+use crate::Backend;
+use ember_runtime::RuntimeError;
+
+/// Idle time after which `/execute` sends a `keepalive` line (as E2B's server does).
+pub const KEEPALIVE: Duration = Duration::from_secs(5);
+
+/// How long `/execute` waits for the first output before it commits to 200, so that a
+/// call that fails at once (no such context) gets its status.
+const FIRST_WAIT: Duration = Duration::from_secs(2);
+
+/// The default working directory of new contexts (the user's home, as in E2B).
+pub const DEFAULT_CWD: &str = "/home/user";
+
+/// Serves one code-interpreter request (routed and authenticated by `route`).
+pub async fn handle(st: E2bState, req: Request) -> Response {
+    static ROUTER: OnceLock<Router<E2bState>> = OnceLock::new();
+    let router = ROUTER.get_or_init(routes).clone().with_state(st);
+    match router.oneshot(req).await {
+        Ok(resp) => resp,
+        Err(never) => match never {},
+    }
+}
+
+fn routes() -> Router<E2bState> {
+    Router::new()
+        .route("/execute", post(execute))
+        .route("/contexts", post(create_context).get(list_contexts))
+        .route("/contexts/{ctx}/restart", post(restart_context))
+        .route("/contexts/{ctx}", delete(remove_context))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .fallback(|req: Request| async move {
+            E2bError::not_found(format!(
+                "no route {} {} in the code interpreter",
+                req.method(),
+                req.uri().path()
+            ))
+        })
+}
+
+/// The agent's language for an E2B language name (`None`: default python).
+pub fn language(requested: Option<&str>) -> Result<Option<&'static str>, E2bError> {
+    let Some(l) = requested.map(str::trim).filter(|l| !l.is_empty()) else {
+        return Ok(None);
+    };
+    match l.to_ascii_lowercase().as_str() {
+        "python" | "python3" => Ok(Some("python")),
+        "bash" | "sh" => Ok(Some("bash")),
+        other => Err(E2bError::invalid(format!(
+            "language {other:?} is not supported by this server: ember's code interpreter runs \
+             python and bash"
+        ))),
+    }
+}
+
+// ----- /execute -----
+
+/// The `/execute` request (all four keys are always sent by the SDKs).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct ExecuteBody {
+    /// The code.
+    pub code: String,
+    /// A context from `/contexts`.
+    pub context_id: Option<String>,
+    /// A language's default context.
+    pub language: Option<String>,
+    /// Environment for this execution only.
+    pub env_vars: Option<BTreeMap<String, String>>,
+}
+
+/// The E2B `result` line of a MIME bundle.
+pub fn result_line(bundle: &Map<String, Value>, is_main: bool) -> Value {
+    let mut out = Map::new();
+    out.insert("type".into(), json!("result"));
+    let mut extra = Map::new();
+    for (mime, v) in bundle {
+        if v.is_null() {
+            continue;
+        }
+        let key = match mime.as_str() {
+            "text/plain" => "text",
+            "text/html" => "html",
+            "text/markdown" => "markdown",
+            "image/svg+xml" => "svg",
+            "image/png" => "png",
+            "image/jpeg" => "jpeg",
+            "application/pdf" => "pdf",
+            "text/latex" => "latex",
+            "application/json" => "json",
+            "application/javascript" => "javascript",
+            "e2b/data" => "data",
+            "e2b/chart" => "chart",
+            _ => {
+                extra.insert(mime.clone(), v.clone());
+                continue;
+            }
+        };
+        let v = match (key, v) {
+            ("text", Value::String(t)) => Value::String(strip_quotes(t).to_string()),
+            _ => v.clone(),
+        };
+        out.insert(key.into(), v);
+    }
+    out.insert("extra".into(), Value::Object(extra));
+    out.insert("is_main_result".into(), json!(is_main));
+    Value::Object(out)
+}
+
+/// `'x'` or `"x"` → `x`, as E2B's server does with `text/plain` (string reprs).
+fn strip_quotes(t: &str) -> &str {
+    let b = t.as_bytes();
+    if b.len() >= 2 && (b[0] == b'\'' || b[0] == b'"') && b[b.len() - 1] == b[0] {
+        &t[1..t.len() - 1]
+    } else {
+        t
+    }
+}
+
+/// One NDJSON line (JSON has no raw newlines, so a line is never blank).
+fn line(v: &Value) -> Bytes {
+    let mut b = serde_json::to_vec(v).unwrap_or_else(|_| b"{\"type\":\"keepalive\"}".to_vec());
+    b.push(b'\n');
+    Bytes::from(b)
+}
+
+/// Text of a byte stream cut at arbitrary points: an incomplete UTF-8 sequence at the end
+/// of a chunk waits for the next one.
+#[derive(Debug, Default)]
+struct Utf8Carry(Vec<u8>);
+
+impl Utf8Carry {
+    fn push(&mut self, data: &[u8]) -> String {
+        self.0.extend_from_slice(data);
+        let valid = match std::str::from_utf8(&self.0) {
+            Ok(_) => self.0.len(),
+            Err(e) if e.error_len().is_none() => e.valid_up_to(),
+            Err(_) => self.0.len(),
+        };
+        let rest = self.0.split_off(valid);
+        let text = String::from_utf8_lossy(&self.0).into_owned();
+        self.0 = rest;
+        text
+    }
+}
+
+/// Translates agent events into E2B lines.
+#[derive(Debug, Default)]
+pub struct Translator {
+    out: Utf8Carry,
+    err: Utf8Carry,
+    counted: bool,
+}
+
+impl Translator {
+    /// The lines of one event.
+    pub fn lines(&mut self, ev: &EventKind) -> Vec<Value> {
+        let now = || ember_runtime::store::rfc3339(ember_runtime::store::now_ms());
+        let text =
+            |kind: &str, text: String| json!({"type": kind, "text": text, "timestamp": now()});
+        match ev {
+            EventKind::Stdout { data } => {
+                let t = self.out.push(data);
+                if t.is_empty() {
+                    vec![]
+                } else {
+                    vec![text("stdout", t)]
+                }
+            }
+            EventKind::Stderr { data } => {
+                let t = self.err.push(data);
+                if t.is_empty() {
+                    vec![]
+                } else {
+                    vec![text("stderr", t)]
+                }
+            }
+            EventKind::Result(r) => {
+                let mut v = Vec::new();
+                if let Some(n) = r.execution_count {
+                    v.extend(self.count(n));
+                }
+                v.push(result_line(&r.data, true));
+                v
+            }
+            EventKind::Display(d) => vec![result_line(&d.data, false)],
+            EventKind::Exception(x) => vec![json!({
+                "type": "error",
+                "name": x.name,
+                "value": x.value,
+                "traceback": x.traceback.join("\n"),
+            })],
+            EventKind::Truncated { limit } => vec![text(
+                "stderr",
+                format!("[ember: output over {limit} bytes was dropped]\n"),
+            )],
+            EventKind::ContextRestarted { reason } => vec![text(
+                "stderr",
+                format!(
+                    "[ember: the context's process had ended ({reason}) and was restarted; its \
+                     state is lost]\n"
+                ),
+            )],
+            _ => vec![],
+        }
+    }
+
+    /// `number_of_executions`, once.
+    pub fn count(&mut self, n: u64) -> Option<Value> {
+        if self.counted {
+            return None;
+        }
+        self.counted = true;
+        Some(json!({"type": "number_of_executions", "execution_count": n}))
+    }
+}
+
+/// What the blocking call sends to the response.
+#[derive(Debug)]
+enum Msg {
+    Line(Bytes),
+    /// The call ended: fine (the final lines were sent), or an error.
+    Done(Result<(), (RuntimeError, bool)>),
+}
+
+/// Interrupts a context when dropped armed (the client went away mid-call).
+struct Abandon(Option<Box<dyn FnOnce() + Send>>);
+
+impl Drop for Abandon {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            tracing::info!("the client left /execute before the end; interrupting the code");
+            if let Ok(h) = tokio::runtime::Handle::try_current() {
+                h.spawn_blocking(f);
+            } else {
+                std::thread::spawn(f);
+            }
+        }
+    }
+}
+
+fn context_error(id: &str, ctx: &str, e: RuntimeError) -> Response {
+    match &e {
+        RuntimeError::Guest {
+            code: ErrorCode::NoSuchContext,
+            ..
+        } => (StatusCode::NOT_FOUND, format!("Context {ctx} not found")).into_response(),
+        _ => gone_or(id, e).into_response(),
+    }
+}
+
+async fn execute(
+    State(st): State<E2bState>,
+    Extension(t): Extension<Target>,
+    E2bJson(body): E2bJson<ExecuteBody>,
+) -> Response {
+    if body.context_id.is_some() && body.language.is_some() {
+        return E2bError::invalid("give context_id or language, not both").into_response();
+    }
+    let lang = match language(body.language.as_deref()) {
+        Ok(l) => l,
+        Err(e) => return e.into_response(),
+    };
+    // The sandbox's environment (create's `envVars`) for every execution, then the call's.
+    let mut env = t.info.env.clone();
+    env.extend(body.env_vars.unwrap_or_default());
+    // Without a named context, E2B's own default contexts (in the user's home).
+    let implicit = body.context_id.is_none();
+    let context = body.context_id.unwrap_or_else(|| {
+        match lang {
+            Some("bash") => E2B_BASH,
+            _ => E2B_PYTHON,
+        }
+        .to_string()
+    });
+    let req = RunCodeRequest {
+        context: Some(context.clone()),
+        code: body.code,
+        env,
+        ..Default::default()
+    };
+    let (b, b2, id, id2, ctx2) = (
+        st.backend(),
+        st.backend(),
+        t.id.clone(),
+        t.id.clone(),
+        context.clone(),
+    );
+    let mut abandon = Abandon(Some(Box::new(move || {
+        if let Err(e) = b2.interrupt(&id2, &ctx2) {
+            tracing::info!("interrupting {id2}/{ctx2} after the client left: {e}");
+        }
+    })));
+    let (tx, mut rx) = mpsc::channel::<Msg>(32);
+    let span = Span::current();
+    tokio::task::spawn_blocking(move || {
+        let _enter = span.enter();
+        run(&*b, &id, &req, implicit, &tx);
+    });
+    let first = match tokio::time::timeout(FIRST_WAIT, rx.recv()).await {
+        Ok(Some(Msg::Done(Err((e, false))))) => {
+            abandon.0 = None;
+            return context_error(&t.id, &context, e);
+        }
+        Ok(m) => m,
+        Err(_) => None,
+    };
+    ndjson_response(first, rx, abandon)
+}
+
+/// The context `/execute` runs python in when none is named. E2B's default contexts start in
+/// the user's home, where relative `files.*` paths land (the templates' own `default` context
+/// starts in `/workspace`); made on first use from one of the template's spare contexts
+/// (milliseconds), then kept, and carried by forks and snapshots like any context.
+pub const E2B_PYTHON: &str = "e2b-python";
+/// The same for bash.
+pub const E2B_BASH: &str = "e2b-bash";
+/// Their working directory.
+const E2B_CWD: &str = "/home/user";
+
+/// Makes the named default context `ctx` (see [`E2B_PYTHON`]); one made meanwhile by a
+/// concurrent first call is fine.
+fn make_default_context(b: &dyn Backend, id: &str, ctx: &str) -> Result<(), RuntimeError> {
+    let language = if ctx == E2B_BASH { "bash" } else { "python" };
+    let args = json!({ "context": ctx, "language": language, "cwd": E2B_CWD });
+    with_sandbox(b, id, "context_create", args, |sb| {
+        let req = ContextCreateRequest {
+            language: language.into(),
+            cwd: Some(E2B_CWD.into()),
+            env: sb.template_env().clone(),
+            id: Some(ctx.into()),
+        };
+        match sb.call(&Call::ContextCreate(req), Duration::from_secs(600), |_| {
+            Ok(())
+        }) {
+            Ok(_) => Ok(()),
+            Err(e) => match RuntimeError::from(e) {
+                RuntimeError::Guest {
+                    code: ErrorCode::Exists,
+                    ..
+                } => Ok(()),
+                e => Err(e),
+            },
+        }
+    })
+}
+
+/// Runs the code, sending lines; the last message is always `Done`. With `implicit`, the
+/// context is one of E2B's defaults, made when missing.
+fn run(b: &dyn Backend, id: &str, req: &RunCodeRequest, implicit: bool, tx: &mpsc::Sender<Msg>) {
+    let mut tr = Translator::default();
+    let mut sent = false;
+    let attempt = |tr: &mut Translator, sent: &mut bool| {
+        b.run_code(id, req, &mut |ev| {
+            for v in tr.lines(ev) {
+                if tx.blocking_send(Msg::Line(line(&v))).is_err() {
+                    return false;
+                }
+                *sent = true;
+            }
+            true
+        })
+    };
+    let mut r = attempt(&mut tr, &mut sent);
+    if let Err(RuntimeError::Guest {
+        code: ErrorCode::NoSuchContext,
+        ..
+    }) = &r
+    {
+        if implicit && !sent {
+            let ctx = req.context.as_deref().unwrap_or(E2B_PYTHON);
+            r = match make_default_context(b, id, ctx) {
+                Ok(()) => attempt(&mut tr, &mut sent),
+                Err(e) => Err(e),
+            };
+        }
+    }
+    let done = match r {
+        Ok(end) => {
+            let mut tail: Vec<Value> = end
+                .execution_count
+                .and_then(|n| tr.count(n))
+                .into_iter()
+                .collect();
+            tail.push(json!({"type": "end_of_execution"}));
+            for v in tail {
+                if tx.blocking_send(Msg::Line(line(&v))).is_err() {
+                    return;
+                }
+            }
+            Ok(())
+        }
+        Err(e) => Err((e, sent)),
+    };
+    let _ = tx.blocking_send(Msg::Done(done));
+}
+
+/// The streamed body: lines as they come, `keepalive` when idle, and for a call that failed
+/// after its first line an `error` line named `UnexpectedEndOfExecution` then
+/// `end_of_execution`.
+fn ndjson_response(first: Option<Msg>, rx: mpsc::Receiver<Msg>, abandon: Abandon) -> Response {
+    struct S {
+        pending: Option<Msg>,
+        rx: mpsc::Receiver<Msg>,
+        done: bool,
+        abandon: Abandon,
+    }
+    let s = S {
+        pending: first,
+        rx,
+        done: false,
+        abandon,
+    };
+    let stream = futures_util::stream::unfold(s, |mut s| async move {
+        if s.done {
+            return None;
+        }
+        let msg = match s.pending.take() {
+            Some(m) => Some(m),
+            None => match tokio::time::timeout(KEEPALIVE, s.rx.recv()).await {
+                Ok(m) => m,
+                Err(_) => {
+                    let k = line(&json!({"type": "keepalive"}));
+                    return Some((Ok::<_, std::io::Error>(k), s));
+                }
+            },
+        };
+        match msg {
+            Some(Msg::Line(b)) => Some((Ok(b), s)),
+            Some(Msg::Done(Ok(()))) => {
+                // Over: nothing to interrupt any more.
+                s.abandon.0.take();
+                None
+            }
+            other => {
+                // Failed (or the task died without a word): say so, then end properly.
+                s.abandon.0.take();
+                s.done = true;
+                let message = match other {
+                    Some(Msg::Done(Err((e, _)))) => e.to_string(),
+                    _ => "the execution ended without a result".to_string(),
+                };
+                let mut b = line(&json!({
+                    "type": "error",
+                    "name": "UnexpectedEndOfExecution",
+                    "value": message,
+                    "traceback": "",
+                }))
+                .to_vec();
+                b.extend_from_slice(&line(&json!({"type": "end_of_execution"})));
+                Some((Ok(Bytes::from(b)), s))
+            }
+        }
+    });
+    let mut resp = Response::new(Body::from_stream(stream));
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/x-ndjson"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    resp
+}
+
+// ----- /contexts -----
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct ContextBody {
+    language: Option<String>,
+    cwd: Option<String>,
+}
+
+fn context_json(c: &ember_agent::protocol::ContextInfo) -> Value {
+    json!({"id": c.id, "language": c.language, "cwd": c.cwd})
+}
+
+async fn create_context(
+    State(st): State<E2bState>,
+    Extension(t): Extension<Target>,
+    E2bJson(body): E2bJson<ContextBody>,
+) -> Response {
+    let lang = match language(body.language.as_deref()) {
+        Ok(l) => l.unwrap_or("python"),
+        Err(e) => return e.into_response(),
+    };
+    let cwd = body.cwd.unwrap_or_else(|| DEFAULT_CWD.to_string());
+    let id = t.id.clone();
+    match st
+        .app
+        .call(move |b| b.context_create(&id, lang, Some(&cwd)))
+        .await
+    {
+        Ok(c) => Json(context_json(&c)).into_response(),
+        Err(e) => E2bError::from(e).into_response(),
+    }
+}
+
+async fn list_contexts(State(st): State<E2bState>, Extension(t): Extension<Target>) -> Response {
+    let id = t.id.clone();
+    match st.app.call(move |b| b.context_list(&id)).await {
+        Ok(v) => Json(Value::Array(v.iter().map(context_json).collect())).into_response(),
+        Err(e) => E2bError::from(e).into_response(),
+    }
+}
+
+async fn restart_context(
+    State(st): State<E2bState>,
+    Extension(t): Extension<Target>,
+    Path(ctx): Path<String>,
+) -> Response {
+    let (id, c) = (t.id.clone(), ctx.clone());
+    let job = st.app.spawn(move |b| b.context_restart(&id, &c));
+    match job.await {
+        Ok(Ok(())) => StatusCode::OK.into_response(),
+        Ok(Err(e)) => context_error(&t.id, &ctx, e),
+        Err(e) => E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+async fn remove_context(
+    State(st): State<E2bState>,
+    Extension(t): Extension<Target>,
+    Path(ctx): Path<String>,
+) -> Response {
+    let (id, c) = (t.id.clone(), ctx.clone());
+    let job = st.app.spawn(move |b| b.context_remove(&id, &c));
+    match job.await {
+        Ok(Ok(())) => StatusCode::OK.into_response(),
+        Ok(Err(e)) => context_error(&t.id, &ctx, e),
+        Err(e) => E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mime_types_map_to_e2b_keys() {
+        let bundle: Map<String, Value> = serde_json::from_value(json!({
+            "text/plain": "'hi'",
+            "text/html": "<b>",
+            "image/png": "iVBOR",
+            "image/jpeg": "/9j/",
+            "image/svg+xml": "<svg/>",
+            "text/markdown": "# x",
+            "application/json": {"a": 1},
+            "text/latex": "$x$",
+            "application/pdf": "JVBER",
+            "application/javascript": "1",
+            "application/vnd.custom": {"z": 2},
+            "image/gif": null,
+        }))
+        .unwrap();
+        let v = result_line(&bundle, true);
+        assert_eq!(v["type"], "result");
+        assert_eq!(v["text"], "hi");
+        assert_eq!(v["html"], "<b>");
+        assert_eq!(v["png"], "iVBOR");
+        assert_eq!(v["jpeg"], "/9j/");
+        assert_eq!(v["svg"], "<svg/>");
+        assert_eq!(v["markdown"], "# x");
+        assert_eq!(v["json"], json!({"a": 1}));
+        assert_eq!(v["latex"], "$x$");
+        assert_eq!(v["pdf"], "JVBER");
+        assert_eq!(v["javascript"], "1");
+        assert_eq!(v["extra"], json!({"application/vnd.custom": {"z": 2}}));
+        assert_eq!(v["is_main_result"], true);
+        assert!(v.get("gif").is_none());
+        let v = result_line(&Map::new(), false);
+        assert_eq!(v["extra"], json!({}));
+        assert_eq!(v["is_main_result"], false);
+    }
+
+    #[test]
+    fn quotes_are_stripped_only_when_they_match() {
+        assert_eq!(strip_quotes("'a'"), "a");
+        assert_eq!(strip_quotes("\"a\""), "a");
+        assert_eq!(strip_quotes("'a\""), "'a\"");
+        assert_eq!(strip_quotes("'"), "'");
+        assert_eq!(strip_quotes("2"), "2");
+    }
+
+    #[test]
+    fn split_utf8_waits_for_the_rest_of_the_character() {
+        let mut c = Utf8Carry::default();
+        let e = "é".as_bytes();
+        assert_eq!(c.push(&[b'a', e[0]]), "a");
+        assert_eq!(c.push(&[e[1], b'b']), "éb");
+        assert_eq!(c.push(&[0xff]), "\u{fffd}");
+    }
+
+    #[test]
+    fn languages() {
+        assert_eq!(language(None).unwrap(), None);
+        assert_eq!(language(Some("Python")).unwrap(), Some("python"));
+        assert_eq!(language(Some("bash")).unwrap(), Some("bash"));
+        for l in ["js", "javascript", "ts", "r", "java"] {
+            assert_eq!(
+                language(Some(l)).unwrap_err().status,
+                StatusCode::BAD_REQUEST
+            );
+        }
+    }
+
+    #[test]
+    fn events_become_e2b_lines() {
+        let mut t = Translator::default();
+        let out = t.lines(&EventKind::Stdout {
+            data: b"hi\n".to_vec(),
+        });
+        assert_eq!(out[0]["type"], "stdout");
+        assert_eq!(out[0]["text"], "hi\n");
+        assert!(out[0]["timestamp"].is_string());
+        let r = ember_agent::protocol::ResultData {
+            data: serde_json::from_value(json!({"text/plain": "2"})).unwrap(),
+            execution_count: Some(3),
+        };
+        let out = t.lines(&EventKind::Result(r));
+        assert_eq!(
+            out[0],
+            json!({"type": "number_of_executions", "execution_count": 3})
+        );
+        assert_eq!(out[1]["text"], "2");
+        assert!(t.count(3).is_none());
+        let x = ember_agent::protocol::Exception {
+            name: "ZeroDivisionError".into(),
+            value: "division by zero".into(),
+            traceback: vec!["a".into(), "b".into()],
+        };
+        let out = t.lines(&EventKind::Exception(x));
+        assert_eq!(
+            out[0],
+            json!({"type": "error", "name": "ZeroDivisionError", "value": "division by zero",
+                   "traceback": "a\nb"})
+        );
+    }
+}

@@ -1,0 +1,682 @@
+//! Connect RPC services of envd (port 49983): `process.Process` and `filesystem.Filesystem`,
+//! JSON codec, served in the host process over the guest agent's protocol.
+//!
+//! - `super::connect`: the protocol (envelopes, end frames, errors and their statuses,
+//!   headers, ProtoJSON helpers).
+//! - `process`: `Start`, `Connect`, `List`, `SendInput`, `StreamInput`, `CloseStdin`,
+//!   `SendSignal`, `Update`. Processes run as background `exec`s in the agent, so they
+//!   outlive the request that started them; a stream is an agent `process_attach`.
+//! - `filesystem`: `Stat`, `MakeDir`, `Move`, `ListDir`, `Remove`, `WatchDir` and the polling
+//!   watchers (`CreateWatcher`, `GetWatcherEvents`, `RemoveWatcher`).
+//!
+//! The user of a call is `Authorization: Basic base64("<user>:")` (default `user`); `user`
+//! and `root` exist. Relative paths resolve against the user's home.
+//!
+//! Long-lived agent calls (attaches, watches) each hold an agent connection and a call slot
+//! of the sandbox, on a thread of their own (not the blocking pool). They are stopped by
+//! shutting their connection down when the client goes away, the deadline passes, the
+//! watcher is removed, or [`RpcState::forget_sandbox`] is called: call it before pausing or
+//! killing a sandbox, or a pause waits for them (up to the runtime's drain limit).
+
+#[path = "filesystem.rs"]
+pub mod filesystem;
+#[path = "process.rs"]
+pub mod process;
+
+use std::collections::{HashMap, VecDeque};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::Request;
+use axum::http::{header, HeaderMap, Method};
+use axum::response::Response;
+use base64::Engine as _;
+
+pub(crate) use super::connect;
+use super::E2bState;
+use connect::{Code, ConnectError};
+use ember_agent::protocol::{ErrorCode, ExecUser};
+use ember_runtime::RuntimeError;
+
+/// Most processes remembered (configs and tags) over all sandboxes; the oldest are forgotten
+/// beyond it.
+pub const MAX_PROCESSES: usize = 4096;
+/// Most polling watchers per sandbox.
+pub const MAX_WATCHERS_PER_SANDBOX: usize = 64;
+/// Most events a polling watcher buffers between two `GetWatcherEvents`; older ones are
+/// dropped.
+pub const MAX_WATCHER_EVENTS: usize = 10_000;
+/// Most long-lived agent calls (attaches, watches) at once, server-wide.
+pub const MAX_LONG_CALLS: usize = 1024;
+
+/// Per-server state of the RPC services: processes' configs and tags, polling watchers.
+#[derive(Debug, Default)]
+pub struct RpcState {
+    procs: Mutex<Procs>,
+    watchers: Mutex<HashMap<String, Arc<filesystem::Watcher>>>,
+    streams: Mutex<Vec<(String, std::sync::Weak<Abort>)>>,
+    long_calls: Arc<AtomicUsize>,
+}
+
+/// What `Start` was asked, kept for `List` and tag lookups.
+#[derive(Debug, Clone)]
+pub(crate) struct ProcEntry {
+    pub(crate) config: process::ProcessConfig,
+    pub(crate) tag: Option<String>,
+    seq: u64,
+}
+
+#[derive(Debug, Default)]
+struct Procs {
+    by_pid: HashMap<(String, u32), ProcEntry>,
+    order: VecDeque<(u64, String, u32)>,
+    seq: u64,
+}
+
+impl RpcState {
+    pub(crate) fn add_proc(&self, sandbox: &str, pid: u32, mut entry: ProcEntry) {
+        let mut p = lock(&self.procs);
+        p.seq += 1;
+        entry.seq = p.seq;
+        let seq = p.seq;
+        p.by_pid.insert((sandbox.to_string(), pid), entry);
+        p.order.push_back((seq, sandbox.to_string(), pid));
+        while p.by_pid.len() > MAX_PROCESSES {
+            let Some((seq, sb, pid)) = p.order.pop_front() else {
+                break;
+            };
+            let key = (sb, pid);
+            if p.by_pid.get(&key).is_some_and(|e| e.seq == seq) {
+                p.by_pid.remove(&key);
+            }
+        }
+        // Keep the order queue from growing with stale entries.
+        if p.order.len() > 2 * MAX_PROCESSES {
+            let live: VecDeque<_> = p
+                .order
+                .iter()
+                .filter(|(seq, sb, pid)| {
+                    p.by_pid
+                        .get(&(sb.clone(), *pid))
+                        .is_some_and(|e| e.seq == *seq)
+                })
+                .cloned()
+                .collect();
+            p.order = live;
+        }
+    }
+
+    pub(crate) fn proc(&self, sandbox: &str, pid: u32) -> Option<ProcEntry> {
+        lock(&self.procs)
+            .by_pid
+            .get(&(sandbox.to_string(), pid))
+            .cloned()
+    }
+
+    pub(crate) fn remove_proc(&self, sandbox: &str, pid: u32) {
+        lock(&self.procs).by_pid.remove(&(sandbox.to_string(), pid));
+    }
+
+    /// The pid of the newest process of `sandbox` tagged `tag`.
+    pub(crate) fn pid_by_tag(&self, sandbox: &str, tag: &str) -> Option<u32> {
+        lock(&self.procs)
+            .by_pid
+            .iter()
+            .filter(|((sb, _), e)| sb == sandbox && e.tag.as_deref() == Some(tag))
+            .max_by_key(|(_, e)| e.seq)
+            .map(|((_, pid), _)| *pid)
+    }
+
+    /// Forgets the processes of `sandbox` that are not in `running`.
+    pub(crate) fn retain_procs(&self, sandbox: &str, running: &[u32]) {
+        lock(&self.procs)
+            .by_pid
+            .retain(|(sb, pid), _| sb != sandbox || running.contains(pid));
+    }
+
+    /// Forgets everything about `sandbox` (its processes' configs and tags) and stops its
+    /// watchers and attached streams' agent calls. For the control plane, before it pauses
+    /// or kills a sandbox.
+    pub fn forget_sandbox(&self, sandbox: &str) {
+        lock(&self.procs).by_pid.retain(|(sb, _), _| sb != sandbox);
+        let gone: Vec<_> = {
+            let mut w = lock(&self.watchers);
+            let ids: Vec<String> = w
+                .iter()
+                .filter(|(_, w)| w.sandbox == sandbox)
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.into_iter().filter_map(|id| w.remove(&id)).collect()
+        };
+        for w in gone {
+            w.abort.fire();
+        }
+        let streams: Vec<Arc<Abort>> = {
+            let mut s = lock(&self.streams);
+            let mut out = Vec::new();
+            s.retain(|(sb, a)| {
+                if sb == sandbox {
+                    out.extend(a.upgrade());
+                    false
+                } else {
+                    a.strong_count() > 0
+                }
+            });
+            out
+        };
+        for a in streams {
+            a.fire();
+        }
+    }
+
+    /// Remembers a stream's abort, for [`RpcState::forget_sandbox`].
+    pub(crate) fn add_stream(&self, sandbox: &str, abort: &Arc<Abort>) {
+        let mut s = lock(&self.streams);
+        s.retain(|(_, a)| a.strong_count() > 0);
+        s.push((sandbox.to_string(), Arc::downgrade(abort)));
+    }
+
+    /// Forgets a sandbox that an error says is gone.
+    pub(crate) fn note_error(&self, sandbox: &str, e: &RuntimeError) {
+        let gone = match e {
+            RuntimeError::NotFound(_) => true,
+            RuntimeError::Conflict { state, .. } => matches!(*state, "stopped" | "failed"),
+            _ => false,
+        };
+        if gone {
+            self.forget_sandbox(sandbox);
+        }
+    }
+}
+
+/// How a closure run with a sandbox's agent handle ([`agent`]) fails: with the runtime's
+/// error (noted, so a sandbox that is gone is forgotten) or with a Connect error of its own.
+pub(crate) enum CallError {
+    /// The runtime's (or the guest's) error.
+    Runtime(RuntimeError),
+    /// The closure's own answer.
+    Connect(ConnectError),
+}
+
+impl From<RuntimeError> for CallError {
+    fn from(e: RuntimeError) -> Self {
+        CallError::Runtime(e)
+    }
+}
+
+impl From<ember_runtime::SandboxError> for CallError {
+    fn from(e: ember_runtime::SandboxError) -> Self {
+        CallError::Runtime(e.into())
+    }
+}
+
+impl From<ConnectError> for CallError {
+    fn from(e: ConnectError) -> Self {
+        CallError::Connect(e)
+    }
+}
+
+/// Runs `f` with sandbox `id`'s agent handle (a call slot held) on a blocking thread.
+pub(crate) async fn agent<T: Send + 'static>(
+    st: &E2bState,
+    id: &str,
+    call: &'static str,
+    args: serde_json::Value,
+    f: impl FnOnce(&ember_runtime::Sandbox) -> Result<T, CallError> + Send + 'static,
+) -> Result<T, ConnectError> {
+    let sid = id.to_string();
+    let r = st
+        .app
+        .spawn(move |b| {
+            // The closure's own Connect error travels out beside the runtime's.
+            let mut own = None;
+            let r = crate::backend::with_sandbox(b, &sid, call, args, |sb| match f(sb) {
+                Ok(v) => Ok(Some(v)),
+                Err(e) => match e {
+                    CallError::Runtime(e) => Err(e),
+                    CallError::Connect(e) => {
+                        own = Some(e);
+                        Ok(None)
+                    }
+                },
+            });
+            Ok((r, own))
+        })
+        .await;
+    match r {
+        Ok(Ok((Ok(Some(v)), _))) => Ok(v),
+        Ok(Ok((Ok(None), Some(e)))) => Err(e),
+        Ok(Ok((Ok(None), None))) => Err(ConnectError::internal("the call produced nothing")),
+        Ok(Ok((Err(e), _))) | Ok(Err(e)) => {
+            st.rpc.note_error(id, &e);
+            Err(rt_error(e))
+        }
+        Err(e) => Err(ConnectError::internal(format!("the call failed: {e}"))),
+    }
+}
+
+/// `work`, cut off with `deadline_exceeded` after `deadline` (a unary call's
+/// `Connect-Timeout-Ms`).
+pub(crate) async fn within<T>(
+    deadline: Option<std::time::Duration>,
+    work: impl std::future::Future<Output = Result<T, ConnectError>>,
+) -> Result<T, ConnectError> {
+    match deadline {
+        Some(d) => tokio::time::timeout(d, work).await.unwrap_or_else(|_| {
+            Err(ConnectError::new(
+                Code::DeadlineExceeded,
+                format!("the call took longer than its timeout of {d:?}"),
+            ))
+        }),
+        None => work.await,
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Serves one Connect RPC (`POST /process.Process/<M>` or `/filesystem.Filesystem/<M>`) for
+/// sandbox `id`; the caller has routed and authenticated the request.
+pub async fn handle(st: E2bState, id: String, req: Request) -> Response {
+    let path = req.uri().path().trim_start_matches('/').to_string();
+    let (service, method) = path.split_once('/').unwrap_or((path.as_str(), ""));
+    let streaming_request = is_stream_request(req.headers());
+    if req.method() != Method::POST {
+        return fail(
+            streaming_request,
+            ConnectError::new(
+                Code::Unimplemented,
+                format!("{} {path}: Connect RPCs are POSTed", req.method()),
+            ),
+        );
+    }
+    match service {
+        "process.Process" => process::handle(st, id, method.to_string(), req).await,
+        "filesystem.Filesystem" => filesystem::handle(st, id, method.to_string(), req).await,
+        _ => fail(
+            streaming_request,
+            ConnectError::new(Code::Unimplemented, format!("no service {service:?}")),
+        ),
+    }
+}
+
+/// Whether the request is enveloped (`application/connect+…`).
+fn is_stream_request(h: &HeaderMap) -> bool {
+    h.get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.trim()
+                .to_ascii_lowercase()
+                .starts_with("application/connect+")
+        })
+}
+
+/// An error answered in the framing the request used.
+pub(crate) fn fail(stream: bool, e: ConnectError) -> Response {
+    if stream {
+        connect::stream_error(&e)
+    } else {
+        e.unary_response()
+    }
+}
+
+/// `unimplemented` for a method the service does not have.
+pub(crate) fn no_method(service: &str, method: &str, req: &Request) -> Response {
+    fail(
+        is_stream_request(req.headers()),
+        ConnectError::new(
+            Code::Unimplemented,
+            format!("{service}/{method} is not implemented"),
+        ),
+    )
+}
+
+/// The accounts a call can run as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum User {
+    /// `root`, home `/root`.
+    Root,
+    /// `user` (uid 1000 in the templates), home `/home/user`; the default.
+    User,
+}
+
+impl User {
+    /// The account's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            User::Root => "root",
+            User::User => "user",
+        }
+    }
+
+    /// Its home directory.
+    pub fn home(self) -> &'static str {
+        match self {
+            User::Root => "/root",
+            User::User => "/home/user",
+        }
+    }
+
+    /// The agent's account.
+    pub fn exec_user(self) -> ExecUser {
+        match self {
+            User::Root => ExecUser::Root,
+            User::User => ExecUser::User,
+        }
+    }
+}
+
+/// The user of a call: `Authorization: Basic base64("<user>:")`, default `user`. Other
+/// names are `unauthenticated` (as envd answers an unknown account).
+pub fn user_of(headers: &HeaderMap) -> Result<User, ConnectError> {
+    let Some(v) = headers.get(header::AUTHORIZATION) else {
+        return Ok(User::User);
+    };
+    let v = v.to_str().unwrap_or("").trim();
+    let Some((scheme, cred)) = v.split_once(' ') else {
+        return Ok(User::User);
+    };
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return Ok(User::User);
+    }
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(cred.trim())
+        .map_err(|_| {
+            ConnectError::new(
+                Code::Unauthenticated,
+                "the Basic credentials are not base64",
+            )
+        })?;
+    let text = String::from_utf8_lossy(&raw);
+    let name = text.split_once(':').map_or(&*text, |(u, _)| u);
+    match name {
+        "" | "user" => Ok(User::User),
+        "root" => Ok(User::Root),
+        other => Err(ConnectError::new(
+            Code::Unauthenticated,
+            format!("invalid username: '{other}'"),
+        )),
+    }
+}
+
+/// A path as envd resolves it: empty is the home, `~` and `~/…` expand to it, a relative
+/// path is taken from it; the result is normalised (`.`, `..`, repeated `/`).
+pub fn resolve(path: &str, user: User) -> Result<String, ConnectError> {
+    let home = user.home();
+    let full = if path.is_empty() || path == "~" {
+        home.to_string()
+    } else if let Some(rest) = path.strip_prefix("~/") {
+        format!("{home}/{rest}")
+    } else if path.starts_with('~') {
+        return Err(ConnectError::invalid(format!(
+            "cannot expand user-specific home dir in '{path}'"
+        )));
+    } else if path.starts_with('/') {
+        path.to_string()
+    } else {
+        format!("{home}/{path}")
+    };
+    if full.contains('\0') {
+        return Err(ConnectError::invalid("a path contains a NUL byte"));
+    }
+    let mut parts: Vec<&str> = Vec::new();
+    for c in full.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            c => parts.push(c),
+        }
+    }
+    Ok(format!("/{}", parts.join("/")))
+}
+
+/// The Connect error of a runtime error.
+pub fn rt_error(e: RuntimeError) -> ConnectError {
+    let message = e.to_string();
+    let code = match &e {
+        RuntimeError::NotFound(id) => {
+            return ConnectError::new(Code::Unavailable, format!("The sandbox {id} was not found"))
+        }
+        RuntimeError::Conflict { .. } => Code::Unavailable,
+        RuntimeError::Sandbox(_) => Code::Unavailable,
+        RuntimeError::Invalid(_) => Code::InvalidArgument,
+        RuntimeError::Cancelled(_) => Code::Canceled,
+        RuntimeError::Capacity(_) => Code::ResourceExhausted,
+        RuntimeError::Timeout { .. } => Code::DeadlineExceeded,
+        RuntimeError::Guest { code, message, .. } => {
+            let code = match code {
+                ErrorCode::NotFound | ErrorCode::NoSuchProcess | ErrorCode::NoSuchContext => {
+                    Code::NotFound
+                }
+                ErrorCode::Exists => Code::AlreadyExists,
+                ErrorCode::NotADirectory
+                | ErrorCode::IsADirectory
+                | ErrorCode::BadRequest
+                | ErrorCode::SpawnFailed => Code::InvalidArgument,
+                ErrorCode::PermissionDenied => Code::PermissionDenied,
+                ErrorCode::Io | ErrorCode::Internal => Code::Internal,
+                _ => Code::Unknown,
+            };
+            return ConnectError::new(code, message.clone());
+        }
+        _ => Code::Internal,
+    };
+    ConnectError::new(code, message)
+}
+
+/// Stops a long-lived agent call from another thread: the call's connection is shut down,
+/// so its blocking read ends.
+#[derive(Debug, Default)]
+pub(crate) struct Abort {
+    inner: Mutex<AbortState>,
+}
+
+#[derive(Debug, Default)]
+struct AbortState {
+    conn: Option<UnixStream>,
+    fired: bool,
+}
+
+impl Abort {
+    /// Registers the call's connection (a clone of it). False when already fired: do not
+    /// start the call.
+    pub(crate) fn arm(&self, conn: &UnixStream) -> bool {
+        let mut s = lock(&self.inner);
+        if s.fired {
+            return false;
+        }
+        s.conn = conn.try_clone().ok();
+        true
+    }
+
+    /// Unregisters the connection after the call; true when the abort fired meanwhile (the
+    /// connection was shut down and must not be reused).
+    pub(crate) fn disarm(&self) -> bool {
+        let mut s = lock(&self.inner);
+        s.conn = None;
+        s.fired
+    }
+
+    /// Stops the call (now, or as soon as it is armed).
+    pub(crate) fn fire(&self) {
+        let mut s = lock(&self.inner);
+        s.fired = true;
+        if let Some(c) = s.conn.take() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// Whether it fired.
+    pub(crate) fn fired(&self) -> bool {
+        lock(&self.inner).fired
+    }
+}
+
+/// Fires an [`Abort`] when dropped (with a response body: the client went away or the
+/// stream ended).
+#[derive(Debug)]
+pub(crate) struct AbortOnDrop(pub(crate) Arc<Abort>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.fire();
+    }
+}
+
+/// Runs a long-lived blocking agent call on a thread of its own (at most
+/// [`MAX_LONG_CALLS`] at once).
+pub(crate) fn spawn_long(
+    st: &RpcState,
+    name: &str,
+    f: impl FnOnce() + Send + 'static,
+) -> Result<(), ConnectError> {
+    let count = st.long_calls.clone();
+    if count.fetch_add(1, Ordering::SeqCst) >= MAX_LONG_CALLS {
+        count.fetch_sub(1, Ordering::SeqCst);
+        return Err(ConnectError::new(
+            Code::ResourceExhausted,
+            format!("too many open streams (at most {MAX_LONG_CALLS})"),
+        ));
+    }
+    struct Release(Arc<AtomicUsize>);
+    impl Drop for Release {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    let release = Release(count);
+    let span = tracing::Span::current();
+    std::thread::Builder::new()
+        .name(name.to_string())
+        .stack_size(1 << 20)
+        .spawn(move || {
+            let _release = release;
+            let _enter = span.enter();
+            f()
+        })
+        .map(drop)
+        .map_err(|e| ConnectError::internal(format!("cannot start a thread: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    fn basic(user: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        let v = base64::engine::general_purpose::STANDARD.encode(format!("{user}:"));
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_str(&format!("Basic {v}")).unwrap(),
+        );
+        h
+    }
+
+    #[test]
+    fn users() {
+        assert_eq!(user_of(&HeaderMap::new()).unwrap(), User::User);
+        assert_eq!(user_of(&basic("root")).unwrap(), User::Root);
+        assert_eq!(user_of(&basic("user")).unwrap(), User::User);
+        let e = user_of(&basic("mallory")).unwrap_err();
+        assert_eq!(e.code, Code::Unauthenticated);
+        assert!(e.message.contains("mallory"));
+        let mut h = HeaderMap::new();
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic !!"));
+        assert_eq!(user_of(&h).unwrap_err().code, Code::Unauthenticated);
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer x"));
+        assert_eq!(user_of(&h).unwrap(), User::User);
+    }
+
+    #[test]
+    fn paths_resolve_like_envd() {
+        let u = User::User;
+        assert_eq!(resolve("", u).unwrap(), "/home/user");
+        assert_eq!(resolve("a.txt", u).unwrap(), "/home/user/a.txt");
+        assert_eq!(resolve("~/x/../y", u).unwrap(), "/home/user/y");
+        assert_eq!(resolve("~", User::Root).unwrap(), "/root");
+        assert_eq!(resolve("/tmp//a/./b/", u).unwrap(), "/tmp/a/b");
+        assert_eq!(resolve("../../..", u).unwrap(), "/");
+        assert!(resolve("~bob/x", u).is_err());
+        assert!(resolve("/a\0b", u).is_err());
+    }
+
+    #[test]
+    fn runtime_errors_map_to_connect_codes() {
+        let guest = |code| RuntimeError::Guest {
+            id: "s".into(),
+            call: "file_stat",
+            code,
+            message: "m".into(),
+        };
+        assert_eq!(rt_error(guest(ErrorCode::NotFound)).code, Code::NotFound);
+        assert_eq!(rt_error(guest(ErrorCode::Exists)).code, Code::AlreadyExists);
+        assert_eq!(
+            rt_error(guest(ErrorCode::PermissionDenied)).code,
+            Code::PermissionDenied
+        );
+        assert_eq!(
+            rt_error(guest(ErrorCode::NoSuchProcess)).code,
+            Code::NotFound
+        );
+        assert_eq!(
+            rt_error(guest(ErrorCode::BadRequest)).code,
+            Code::InvalidArgument
+        );
+        assert_eq!(rt_error(guest(ErrorCode::Io)).code, Code::Internal);
+        let e = rt_error(RuntimeError::NotFound("abc".into()));
+        assert_eq!(e.code, Code::Unavailable);
+        assert!(e.message.contains("was not found"));
+    }
+
+    #[test]
+    fn abort_before_and_after_arming() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let ab = Abort::default();
+        assert!(ab.arm(&a));
+        assert!(!ab.disarm());
+        ab.fire();
+        assert!(!ab.arm(&a));
+        assert!(ab.fired());
+        let ab = Abort::default();
+        let (a, b) = UnixStream::pair().unwrap();
+        assert!(ab.arm(&a));
+        ab.fire();
+        assert!(ab.disarm());
+        use std::io::Read;
+        let mut buf = [0u8; 1];
+        assert_eq!(
+            (&b).read(&mut buf).unwrap(),
+            0,
+            "the peer sees the shutdown"
+        );
+    }
+
+    #[test]
+    fn process_table_is_bounded_and_tag_lookup_takes_the_newest() {
+        let st = RpcState::default();
+        let e = |tag: Option<&str>| ProcEntry {
+            config: process::ProcessConfig::default(),
+            tag: tag.map(str::to_string),
+            seq: 0,
+        };
+        st.add_proc("s", 1, e(Some("t")));
+        st.add_proc("s", 2, e(Some("t")));
+        assert_eq!(st.pid_by_tag("s", "t"), Some(2));
+        assert_eq!(st.pid_by_tag("other", "t"), None);
+        for pid in 10..(10 + MAX_PROCESSES as u32 + 5) {
+            st.add_proc("s", pid, e(None));
+        }
+        assert!(lock(&st.procs).by_pid.len() <= MAX_PROCESSES);
+        assert!(st.proc("s", 1).is_none(), "the oldest went first");
+        st.retain_procs("s", &[100]);
+        assert!(st.proc("s", 100).is_some());
+        assert!(st.proc("s", 101).is_none());
+        st.forget_sandbox("s");
+        assert!(st.proc("s", 100).is_none());
+    }
+}
