@@ -649,7 +649,7 @@ impl<S: Transport> Client<S> {
 }
 
 /// How a `run_code` ended (see [`Client::run_code`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RunEnd {
     /// `ok`, `error`, `timed_out`, `interrupted` or `context_died`.
     pub status: EndStatus,

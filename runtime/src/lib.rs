@@ -20,6 +20,7 @@
 //! No HTTP here: the server (`ember-server`) and the CLI (`ember-cli`) are thin layers over these calls.
 
 pub mod agent_link;
+pub mod call;
 pub mod images;
 pub mod jail;
 pub mod netpolicy;
@@ -73,6 +74,8 @@ struct Inner {
     capacity: Mutex<()>,
     uids: Arc<Mutex<BTreeSet<u32>>>,
     metrics: Mutex<Metrics>,
+    /// Calls handled through [`call::Handler`], by name.
+    calls: Mutex<std::collections::BTreeMap<&'static str, CallStats>>,
     watcher: Mutex<Option<Arc<Watcher>>>,
     timer: Arc<(Mutex<bool>, Condvar)>,
     /// Sandboxes' network namespaces, rules and resolvers.
@@ -169,6 +172,7 @@ impl Runtime {
                 capacity: Mutex::new(()),
                 uids,
                 metrics: Mutex::new(Metrics::default()),
+                calls: Mutex::new(Default::default()),
                 watcher: Mutex::new(None),
                 timer: Arc::new((Mutex::new(false), Condvar::new())),
                 net,
@@ -438,6 +442,19 @@ impl Runtime {
     /// Audit records.
     pub fn audit(&self, filter: &AuditFilter) -> Result<Vec<AuditRecord>, RuntimeError> {
         Ok(self.store().audit_records(filter)?)
+    }
+
+    /// Calls handled through the call surface so far, by name: count, failures, total time.
+    pub fn call_counts(&self) -> std::collections::BTreeMap<&'static str, CallStats> {
+        lock(&self.inner.calls).clone()
+    }
+
+    fn count_call(&self, name: &'static str, ms: f64, ok: bool) {
+        let mut calls = lock(&self.inner.calls);
+        let c = calls.entry(name).or_default();
+        c.count += 1;
+        c.failed += u64::from(!ok);
+        c.total_ms += ms;
     }
 
     /// Counters for `/metrics`.

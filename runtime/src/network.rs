@@ -14,7 +14,7 @@ use crate::netpolicy::{NetError, NetStats, SandboxNet};
 pub const MAX_PORTS: usize = 32;
 
 /// A sandbox's network as `GET /sandboxes/{id}/network` shows it.
-#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct NetworkInfo {
     /// Policy and exposed ports.
     #[serde(flatten)]

@@ -13,6 +13,7 @@ use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderMap, HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use ember_runtime::call::{self, Io};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -67,7 +68,16 @@ pub async fn get_network(
     Path(id): Path<String>,
 ) -> Result<Json<NetworkBody>, ApiError> {
     let id2 = id.clone();
-    let info = st.call(move |b| b.network(&id2)).await?;
+    let info = st
+        .call(move |b| {
+            b.call(
+                call::GetNetwork {
+                    id: id2.to_string(),
+                },
+                Io::none(),
+            )
+        })
+        .await?;
     Ok(body(&st, &id, info))
 }
 
@@ -81,7 +91,17 @@ pub async fn set_network(
     ApiJson(policy): ApiJson<NetworkPolicy>,
 ) -> Result<Json<NetworkBody>, ApiError> {
     let id2 = id.clone();
-    let info = st.call(move |b| b.set_network(&id2, &policy)).await?;
+    let info = st
+        .call(move |b| {
+            b.call(
+                call::SetNetwork {
+                    id: id2.to_string(),
+                    policy: policy.clone(),
+                },
+                Io::none(),
+            )
+        })
+        .await?;
     Ok(body(&st, &id, info))
 }
 
@@ -96,7 +116,16 @@ pub async fn expose(
 ) -> Result<Json<NetworkBody>, ApiError> {
     let id2 = id.clone();
     let info = st
-        .call(move |b| b.expose(&id2, req.port, req.public))
+        .call(move |b| {
+            b.call(
+                call::Expose {
+                    id: id2.to_string(),
+                    port: req.port,
+                    public: req.public,
+                },
+                Io::none(),
+            )
+        })
         .await?;
     Ok(body(&st, &id, info))
 }
@@ -110,7 +139,17 @@ pub async fn unexpose(
     Path((id, port)): Path<(String, u16)>,
 ) -> Result<Json<NetworkBody>, ApiError> {
     let id2 = id.clone();
-    let info = st.call(move |b| b.unexpose(&id2, port)).await?;
+    let info = st
+        .call(move |b| {
+            b.call(
+                call::Unexpose {
+                    id: id2.to_string(),
+                    port,
+                },
+                Io::none(),
+            )
+        })
+        .await?;
     Ok(body(&st, &id, info))
 }
 
@@ -209,7 +248,16 @@ pub async fn to_port(
 async fn proxy_to(st: AppState, id: String, port: u16, rest: &str, req: Request) -> Response {
     let exposed = {
         let id2 = id.clone();
-        st.call(move |b| b.exposed(&id2, port)).await
+        st.call(move |b| {
+            b.call(
+                call::Exposed {
+                    id: id2.to_string(),
+                    port,
+                },
+                Io::none(),
+            )
+        })
+        .await
     };
     let exposed = match exposed {
         Ok(Some(p)) => p,

@@ -7,6 +7,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
 use ember_agent::protocol::{EventKind, RunCodeRequest};
+use ember_runtime::call::{self, Io};
 use tokio::sync::mpsc;
 
 use super::error::{ApiError, ApiJson, ApiQuery};
@@ -49,7 +50,7 @@ pub async fn openapi(State(st): State<AppState>) -> Response {
     responses((status = 200, description = "Prometheus text exposition (0.0.4)",
         body = String, content_type = "text/plain")))]
 pub async fn metrics(State(st): State<AppState>) -> Result<Response, ApiError> {
-    let m = st.call(|b| Ok(b.metrics())).await?;
+    let m = st.call(|b| b.call(call::GetMetrics {}, Io::none())).await?;
     let http = st.http_counts();
     let mut resp = super::metrics::render(&m, &http).into_response();
     resp.headers_mut().insert(
@@ -65,7 +66,9 @@ pub async fn metrics(State(st): State<AppState>) -> Result<Response, ApiError> {
 #[utoipa::path(get, path = "/v1/templates", tag = "templates",
     responses((status = 200, body = Vec<TemplateSummary>)))]
 pub async fn list_templates(State(st): State<AppState>) -> JsonResult<Vec<TemplateSummary>> {
-    st.call(|b| b.templates()).await.map(Json)
+    st.call(|b| b.call(call::ListTemplates {}, Io::none()))
+        .await
+        .map(Json)
 }
 
 /// Builds a template (a no-op when its inputs did not change), streaming progress.
@@ -83,16 +86,22 @@ pub async fn build_template(
     let b = st.backend();
     stream::ndjson(
         move |emit| {
-            let t = b.build_template(&name, body.rebuild, &mut |ev| {
-                let v = match ev {
-                    BuildEvent::Step(s) => serde_json::json!({"type": "step", "message": s}),
-                    BuildEvent::Output(s) => serde_json::json!({"type": "output", "text": s}),
-                    BuildEvent::UpToDate => serde_json::json!({"type": "up_to_date"}),
-                };
-                // A build cannot be cancelled half-way; it finishes (and is cached) even when
-                // the client went away.
-                let _ = emit(line(&v));
-            })?;
+            let t = b.call(
+                call::BuildTemplate {
+                    name: name.to_string(),
+                    rebuild: body.rebuild,
+                },
+                Io::progress(&mut |ev| {
+                    let v = match ev {
+                        BuildEvent::Step(s) => serde_json::json!({"type": "step", "message": s}),
+                        BuildEvent::Output(s) => serde_json::json!({"type": "output", "text": s}),
+                        BuildEvent::UpToDate => serde_json::json!({"type": "up_to_date"}),
+                    };
+                    // A build cannot be cancelled half-way; it finishes (and is cached) even when
+                    // the client went away.
+                    let _ = emit(line(&v));
+                }),
+            )?;
             Ok(serde_json::json!({"type": "done", "template": t}))
         },
         None,
@@ -112,7 +121,9 @@ pub async fn create(
     State(st): State<AppState>,
     ApiJson(req): ApiJson<CreateRequest>,
 ) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
-    let info = st.call(move |b| b.create(&req)).await?;
+    let info = st
+        .call(move |b| b.call(call::Create { req: req.clone() }, Io::none()))
+        .await?;
     Ok((StatusCode::CREATED, Json(info)))
 }
 
@@ -168,7 +179,9 @@ pub async fn list_sandboxes(
     ApiQuery(pairs): ApiQuery<Vec<(String, String)>>,
 ) -> JsonResult<Vec<SandboxInfo>> {
     let f = list_filter(pairs)?;
-    st.call(move |b| b.list(&f)).await.map(Json)
+    st.call(move |b| b.call(call::List { filter: f.clone() }, Io::none()))
+        .await
+        .map(Json)
 }
 
 /// One sandbox.
@@ -179,7 +192,9 @@ pub async fn get_sandbox(
     State(st): State<AppState>,
     Path(id): Path<String>,
 ) -> JsonResult<SandboxInfo> {
-    st.call(move |b| b.get(&id)).await.map(Json)
+    st.call(move |b| b.call(call::Get { id: id.to_string() }, Io::none()))
+        .await
+        .map(Json)
 }
 
 /// Kills a sandbox (its artifacts are collected first).
@@ -187,7 +202,9 @@ pub async fn get_sandbox(
     params(("id" = String, Path, description = "Sandbox id")),
     responses((status = 200, body = SandboxInfo), (status = 404, body = ErrorBody)))]
 pub async fn kill(State(st): State<AppState>, Path(id): Path<String>) -> JsonResult<SandboxInfo> {
-    st.call(move |b| b.kill(&id)).await.map(Json)
+    st.call(move |b| b.call(call::Kill { id: id.to_string() }, Io::none()))
+        .await
+        .map(Json)
 }
 
 /// Pauses a sandbox (snapshot to disk; its VMM exits). Any call resumes it.
@@ -195,7 +212,9 @@ pub async fn kill(State(st): State<AppState>, Path(id): Path<String>) -> JsonRes
     params(("id" = String, Path, description = "Sandbox id")),
     responses((status = 200, body = SandboxInfo), (status = 409, body = ErrorBody)))]
 pub async fn pause(State(st): State<AppState>, Path(id): Path<String>) -> JsonResult<SandboxInfo> {
-    st.call(move |b| b.pause(&id)).await.map(Json)
+    st.call(move |b| b.call(call::Pause { id: id.to_string() }, Io::none()))
+        .await
+        .map(Json)
 }
 
 /// Resumes a paused sandbox.
@@ -203,7 +222,9 @@ pub async fn pause(State(st): State<AppState>, Path(id): Path<String>) -> JsonRe
     params(("id" = String, Path, description = "Sandbox id")),
     responses((status = 200, body = SandboxInfo), (status = 409, body = ErrorBody)))]
 pub async fn resume(State(st): State<AppState>, Path(id): Path<String>) -> JsonResult<SandboxInfo> {
-    st.call(move |b| b.resume(&id)).await.map(Json)
+    st.call(move |b| b.call(call::Resume { id: id.to_string() }, Io::none()))
+        .await
+        .map(Json)
 }
 
 /// Sets the timeout to `timeout_secs` from now.
@@ -216,9 +237,18 @@ pub async fn set_timeout(
     Path(id): Path<String>,
     ApiJson(body): ApiJson<TimeoutBody>,
 ) -> JsonResult<SandboxInfo> {
-    st.call(move |b| b.set_timeout(&id, body.timeout_secs, body.on_timeout))
-        .await
-        .map(Json)
+    st.call(move |b| {
+        b.call(
+            call::SetTimeout {
+                id: id.to_string(),
+                secs: body.timeout_secs,
+                on_timeout: body.on_timeout,
+            },
+            Io::none(),
+        )
+    })
+    .await
+    .map(Json)
 }
 
 /// The state history of a sandbox.
@@ -229,7 +259,9 @@ pub async fn history(
     State(st): State<AppState>,
     Path(id): Path<String>,
 ) -> JsonResult<Vec<Transition>> {
-    st.call(move |b| b.history(&id)).await.map(Json)
+    st.call(move |b| b.call(call::History { id: id.to_string() }, Io::none()))
+        .await
+        .map(Json)
 }
 
 /// Forks a running sandbox into `count` new ones continuing from its current state.
@@ -242,7 +274,17 @@ pub async fn fork(
     Path(id): Path<String>,
     ApiJson(req): ApiJson<ForkRequest>,
 ) -> Result<(StatusCode, Json<Vec<SandboxInfo>>), ApiError> {
-    let v = st.call(move |b| b.fork(&id, &req)).await?;
+    let v = st
+        .call(move |b| {
+            b.call(
+                call::Fork {
+                    id: id.to_string(),
+                    req: req.clone(),
+                },
+                Io::none(),
+            )
+        })
+        .await?;
     Ok((StatusCode::CREATED, Json(v)))
 }
 
@@ -258,7 +300,17 @@ pub async fn snapshot(
     Path(id): Path<String>,
     ApiJson(req): ApiJson<SnapshotRequest>,
 ) -> Result<(StatusCode, Json<SnapshotInfo>), ApiError> {
-    let s = st.call(move |b| b.snapshot(&id, &req)).await?;
+    let s = st
+        .call(move |b| {
+            b.call(
+                call::TakeSnapshot {
+                    id: id.to_string(),
+                    req: req.clone(),
+                },
+                Io::none(),
+            )
+        })
+        .await?;
     Ok((StatusCode::CREATED, Json(s)))
 }
 
@@ -266,7 +318,9 @@ pub async fn snapshot(
 #[utoipa::path(get, path = "/v1/snapshots", tag = "snapshots",
     responses((status = 200, body = Vec<SnapshotInfo>)))]
 pub async fn list_snapshots(State(st): State<AppState>) -> JsonResult<Vec<SnapshotInfo>> {
-    st.call(|b| b.snapshots()).await.map(Json)
+    st.call(|b| b.call(call::ListSnapshots {}, Io::none()))
+        .await
+        .map(Json)
 }
 
 /// Deletes a named snapshot.
@@ -277,7 +331,15 @@ pub async fn delete_snapshot(
     State(st): State<AppState>,
     Path(name): Path<String>,
 ) -> JsonResult<OkBody> {
-    st.call(move |b| b.delete_snapshot(&name)).await?;
+    st.call(move |b| {
+        b.call(
+            call::DeleteSnapshot {
+                name: name.to_string(),
+            },
+            Io::none(),
+        )
+    })
+    .await?;
     Ok(Json(OkBody::YES))
 }
 
@@ -291,7 +353,9 @@ pub async fn list_contexts(
     State(st): State<AppState>,
     Path(id): Path<String>,
 ) -> JsonResult<Vec<ContextOut>> {
-    let v = st.call(move |b| b.context_list(&id)).await?;
+    let v = st
+        .call(move |b| b.call(call::ContextList { id: id.to_string() }, Io::none()))
+        .await?;
     Ok(Json(v.into_iter().map(ContextOut::from).collect()))
 }
 
@@ -306,7 +370,16 @@ pub async fn create_context(
     ApiJson(body): ApiJson<ContextBody>,
 ) -> Result<(StatusCode, Json<ContextOut>), ApiError> {
     let c = st
-        .call(move |b| b.context_create(&id, &body.language, body.cwd.as_deref()))
+        .call(move |b| {
+            b.call(
+                call::ContextCreate {
+                    id: id.to_string(),
+                    language: body.language.to_string(),
+                    cwd: body.cwd.as_deref().map(|s| s.to_string()),
+                },
+                Io::none(),
+            )
+        })
         .await?;
     Ok((StatusCode::CREATED, Json(c.into())))
 }
@@ -320,7 +393,16 @@ pub async fn restart_context(
     State(st): State<AppState>,
     Path((id, ctx)): Path<(String, String)>,
 ) -> JsonResult<OkBody> {
-    st.call(move |b| b.context_restart(&id, &ctx)).await?;
+    st.call(move |b| {
+        b.call(
+            call::ContextRestart {
+                id: id.to_string(),
+                context: ctx.to_string(),
+            },
+            Io::none(),
+        )
+    })
+    .await?;
     Ok(Json(OkBody::YES))
 }
 
@@ -333,7 +415,16 @@ pub async fn remove_context(
     State(st): State<AppState>,
     Path((id, ctx)): Path<(String, String)>,
 ) -> JsonResult<OkBody> {
-    st.call(move |b| b.context_remove(&id, &ctx)).await?;
+    st.call(move |b| {
+        b.call(
+            call::ContextRemove {
+                id: id.to_string(),
+                context: ctx.to_string(),
+            },
+            Io::none(),
+        )
+    })
+    .await?;
     Ok(Json(OkBody::YES))
 }
 
@@ -346,7 +437,16 @@ pub async fn interrupt(
     State(st): State<AppState>,
     Path((id, ctx)): Path<(String, String)>,
 ) -> JsonResult<OkBody> {
-    st.call(move |b| b.interrupt(&id, &ctx)).await?;
+    st.call(move |b| {
+        b.call(
+            call::Interrupt {
+                id: id.to_string(),
+                context: ctx.to_string(),
+            },
+            Io::none(),
+        )
+    })
+    .await?;
     Ok(Json(OkBody::YES))
 }
 
@@ -378,13 +478,25 @@ pub async fn run_code(
     });
     let (b, b2, id2) = (st.backend(), st.backend(), id.clone());
     let on_abandon: stream::OnAbandon = Box::new(move || {
-        if let Err(e) = b2.interrupt(&id2, &context) {
+        if let Err(e) = b2.call(
+            call::Interrupt {
+                id: id2.to_string(),
+                context: context.to_string(),
+            },
+            Io::none(),
+        ) {
             tracing::info!("interrupting {id2}/{context} after the client left: {e}");
         }
     });
     stream::ndjson(
         move |emit| {
-            let end = b.run_code(&id, &req, &mut |ev| emit(line(ev)))?;
+            let end = b.call(
+                call::RunCode {
+                    id: id.to_string(),
+                    req: req.clone(),
+                },
+                Io::events(&mut |ev| emit(line(ev))),
+            )?;
             Ok(serde_json::json!({
                 "type": "end",
                 "status": end.status,
@@ -419,7 +531,14 @@ pub async fn exec(
     let on_abandon: stream::OnAbandon = Box::new(move || {
         let p = *pid2.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = p {
-            if let Err(e) = b2.process_signal(&id2, p, libc::SIGKILL) {
+            if let Err(e) = b2.call(
+                call::ProcessSignal {
+                    id: id2.to_string(),
+                    pid: p,
+                    signal: libc::SIGKILL,
+                },
+                Io::none(),
+            ) {
                 tracing::info!("killing {id2}/{p} after the client left: {e}");
             }
         }
@@ -427,16 +546,22 @@ pub async fn exec(
     Ok(stream::ndjson(
         move |emit| {
             let mut exit = None;
-            let status = b.exec(&id, &req, &mut |ev| {
-                match ev {
-                    EventKind::Exit(s) => exit = Some(*s),
-                    EventKind::Started { pid: p } => {
-                        *pid.lock().unwrap_or_else(|e| e.into_inner()) = Some(*p)
+            let status = b.call(
+                call::Exec {
+                    id: id.to_string(),
+                    req: req.clone(),
+                },
+                Io::events(&mut |ev| {
+                    match ev {
+                        EventKind::Exit(s) => exit = Some(*s),
+                        EventKind::Started { pid: p } => {
+                            *pid.lock().unwrap_or_else(|e| e.into_inner()) = Some(*p)
+                        }
+                        _ => {}
                     }
-                    _ => {}
-                }
-                emit(line(ev))
-            })?;
+                    emit(line(ev))
+                }),
+            )?;
             Ok(serde_json::json!({"type": "end", "status": status, "exit": exit}))
         },
         Some(on_abandon),
@@ -471,7 +596,15 @@ pub async fn upload(
     }
     let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(8);
     let path = q.path.clone();
-    let job = st.spawn(move |b| b.write_file(&id, &path, &mut ChannelReader::new(rx)));
+    let job = st.spawn(move |b| {
+        b.call(
+            call::WriteFile {
+                id: id.to_string(),
+                path: path.to_string(),
+            },
+            Io::input(&mut ChannelReader::new(rx)),
+        )
+    });
     let over = pump_body(req.into_body().into_data_stream(), tx, limit).await;
     let r = AppState::join(job).await;
     if over {
@@ -498,7 +631,13 @@ pub async fn download(
     let b = st.backend();
     stream::raw(
         move |w| {
-            b.read_file(&id, &q.path, w)?;
+            b.call(
+                call::ReadFile {
+                    id: id.to_string(),
+                    path: q.path.to_string(),
+                },
+                Io::output(w),
+            )?;
             Ok(())
         },
         None,
@@ -516,7 +655,16 @@ pub async fn list_files(
     ApiQuery(q): ApiQuery<ListQuery>,
 ) -> JsonResult<Vec<EntryOut>> {
     let v = st
-        .call(move |b| b.list_files(&id, &q.path, q.depth.unwrap_or(1)))
+        .call(move |b| {
+            b.call(
+                call::ListFiles {
+                    id: id.to_string(),
+                    path: q.path.to_string(),
+                    depth: q.depth.unwrap_or(1),
+                },
+                Io::none(),
+            )
+        })
         .await?;
     Ok(Json(v.into_iter().map(EntryOut::from).collect()))
 }
@@ -530,7 +678,17 @@ pub async fn stat(
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
 ) -> JsonResult<StatOut> {
-    let s = st.call(move |b| b.stat(&id, &q.path)).await?;
+    let s = st
+        .call(move |b| {
+            b.call(
+                call::Stat {
+                    id: id.to_string(),
+                    path: q.path.to_string(),
+                },
+                Io::none(),
+            )
+        })
+        .await?;
     Ok(Json(s.into()))
 }
 
@@ -544,7 +702,16 @@ pub async fn mkdir(
     Path(id): Path<String>,
     ApiJson(body): ApiJson<MkdirBody>,
 ) -> JsonResult<OkBody> {
-    st.call(move |b| b.mkdir(&id, &body.path)).await?;
+    st.call(move |b| {
+        b.call(
+            call::Mkdir {
+                id: id.to_string(),
+                path: body.path.to_string(),
+            },
+            Io::none(),
+        )
+    })
+    .await?;
     Ok(Json(OkBody::YES))
 }
 
@@ -557,8 +724,17 @@ pub async fn remove(
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<RemoveQuery>,
 ) -> JsonResult<OkBody> {
-    st.call(move |b| b.remove(&id, &q.path, q.recursive))
-        .await?;
+    st.call(move |b| {
+        b.call(
+            call::Remove {
+                id: id.to_string(),
+                path: q.path.to_string(),
+                recursive: q.recursive,
+            },
+            Io::none(),
+        )
+    })
+    .await?;
     Ok(Json(OkBody::YES))
 }
 
@@ -572,8 +748,17 @@ pub async fn rename(
     Path(id): Path<String>,
     ApiJson(body): ApiJson<RenameBody>,
 ) -> JsonResult<OkBody> {
-    st.call(move |b| b.rename(&id, &body.from, &body.to))
-        .await?;
+    st.call(move |b| {
+        b.call(
+            call::Rename {
+                id: id.to_string(),
+                from: body.from.to_string(),
+                to: body.to.to_string(),
+            },
+            Io::none(),
+        )
+    })
+    .await?;
     Ok(Json(OkBody::YES))
 }
 
@@ -587,7 +772,9 @@ pub async fn list_artifacts(
     State(st): State<AppState>,
     Path(id): Path<String>,
 ) -> JsonResult<Vec<ArtifactInfo>> {
-    st.call(move |b| b.artifacts(&id)).await.map(Json)
+    st.call(move |b| b.call(call::Artifacts { id: id.to_string() }, Io::none()))
+        .await
+        .map(Json)
 }
 
 /// Copies the sandbox's outputs directory to the host now.
@@ -598,7 +785,9 @@ pub async fn collect_artifacts(
     State(st): State<AppState>,
     Path(id): Path<String>,
 ) -> JsonResult<Vec<ArtifactInfo>> {
-    st.call(move |b| b.collect_artifacts(&id)).await.map(Json)
+    st.call(move |b| b.call(call::CollectArtifacts { id: id.to_string() }, Io::none()))
+        .await
+        .map(Json)
 }
 
 /// Downloads one artifact (from the host; the sandbox may have ended).
@@ -613,7 +802,13 @@ pub async fn get_artifact(
 ) -> Result<Response, ApiError> {
     let (file, len) = st
         .call(move |b| {
-            let p = b.artifact_path(&id, &path)?;
+            let p = b.call(
+                call::ArtifactPath {
+                    id: id.to_string(),
+                    path: path.to_string(),
+                },
+                Io::none(),
+            )?;
             let f = std::fs::File::open(&p).map_err(ember_runtime::RuntimeError::io(
                 "cannot open the artifact",
                 &p,
@@ -646,8 +841,13 @@ pub async fn sandbox_audit(
     ApiQuery(q): ApiQuery<SandboxAuditQuery>,
 ) -> JsonResult<Vec<AuditRecord>> {
     st.call(move |b| {
-        b.get(&id)?;
-        b.audit(&q.filter(id))
+        b.call(call::Get { id: id.to_string() }, Io::none())?;
+        b.call(
+            call::Audit {
+                filter: q.filter(id),
+            },
+            Io::none(),
+        )
     })
     .await
     .map(Json)
@@ -660,5 +860,7 @@ pub async fn audit(
     State(st): State<AppState>,
     ApiQuery(q): ApiQuery<AuditQuery>,
 ) -> JsonResult<Vec<AuditRecord>> {
-    st.call(move |b| b.audit(&q.into())).await.map(Json)
+    st.call(move |b| b.call(call::Audit { filter: q.into() }, Io::none()))
+        .await
+        .map(Json)
 }

@@ -101,10 +101,13 @@ impl Backend for Fake {
     fn max_upload_bytes(&self) -> u64 {
         1000
     }
-    fn templates(&self) -> Result<Vec<TemplateSummary>, RuntimeError> {
+}
+
+impl Fake {
+    pub(crate) fn templates(&self) -> Result<Vec<TemplateSummary>, RuntimeError> {
         Ok(vec![])
     }
-    fn build_template(
+    pub(crate) fn build_template(
         &self,
         name: &str,
         _rebuild: bool,
@@ -132,19 +135,19 @@ impl Backend for Fake {
             outputs: "/workspace/outputs".into(),
         })
     }
-    fn create(&self, _req: &CreateRequest) -> Result<SandboxInfo, RuntimeError> {
+    pub(crate) fn create(&self, _req: &CreateRequest) -> Result<SandboxInfo, RuntimeError> {
         Ok(info(KNOWN))
     }
-    fn list(&self, _f: &ListFilter) -> Result<Vec<SandboxInfo>, RuntimeError> {
+    pub(crate) fn list(&self, _f: &ListFilter) -> Result<Vec<SandboxInfo>, RuntimeError> {
         Ok(vec![info(KNOWN)])
     }
-    fn get(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {
+    pub(crate) fn get(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {
         known(id).map(|_| info(id))
     }
-    fn kill(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {
+    pub(crate) fn kill(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {
         self.get(id)
     }
-    fn pause(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {
+    pub(crate) fn pause(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {
         known(id)?;
         Err(RuntimeError::Conflict {
             id: id.into(),
@@ -152,10 +155,10 @@ impl Backend for Fake {
             message: "it has ended".into(),
         })
     }
-    fn resume(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {
+    pub(crate) fn resume(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {
         self.get(id)
     }
-    fn set_timeout(
+    pub(crate) fn set_timeout(
         &self,
         id: &str,
         _secs: u64,
@@ -163,31 +166,39 @@ impl Backend for Fake {
     ) -> Result<SandboxInfo, RuntimeError> {
         self.get(id)
     }
-    fn snapshot(&self, id: &str, _r: &SnapshotRequest) -> Result<SnapshotInfo, RuntimeError> {
+    pub(crate) fn snapshot(
+        &self,
+        id: &str,
+        _r: &SnapshotRequest,
+    ) -> Result<SnapshotInfo, RuntimeError> {
         known(id)?;
         Err(RuntimeError::Capacity("full".into()))
     }
-    fn snapshots(&self) -> Result<Vec<SnapshotInfo>, RuntimeError> {
+    pub(crate) fn snapshots(&self) -> Result<Vec<SnapshotInfo>, RuntimeError> {
         Ok(vec![])
     }
-    fn delete_snapshot(&self, name: &str) -> Result<(), RuntimeError> {
+    pub(crate) fn delete_snapshot(&self, name: &str) -> Result<(), RuntimeError> {
         Err(RuntimeError::NoSuchSnapshot(format!(
             "no snapshot {name:?}"
         )))
     }
-    fn fork(&self, id: &str, _r: &ForkRequest) -> Result<Vec<SandboxInfo>, RuntimeError> {
+    pub(crate) fn fork(
+        &self,
+        id: &str,
+        _r: &ForkRequest,
+    ) -> Result<Vec<SandboxInfo>, RuntimeError> {
         self.get(id).map(|i| vec![i])
     }
-    fn history(&self, id: &str) -> Result<Vec<Transition>, RuntimeError> {
+    pub(crate) fn history(&self, id: &str) -> Result<Vec<Transition>, RuntimeError> {
         known(id).map(|_| vec![])
     }
-    fn audit(&self, _f: &AuditFilter) -> Result<Vec<AuditRecord>, RuntimeError> {
+    pub(crate) fn audit(&self, _f: &AuditFilter) -> Result<Vec<AuditRecord>, RuntimeError> {
         Ok(vec![])
     }
-    fn metrics(&self) -> Metrics {
+    pub(crate) fn metrics(&self) -> Metrics {
         Metrics::default()
     }
-    fn context_create(
+    pub(crate) fn context_create(
         &self,
         id: &str,
         language: &str,
@@ -202,27 +213,32 @@ impl Backend for Fake {
             busy: None,
         })
     }
-    fn context_list(&self, id: &str) -> Result<Vec<ContextInfo>, RuntimeError> {
+    pub(crate) fn context_list(&self, id: &str) -> Result<Vec<ContextInfo>, RuntimeError> {
         known(id).map(|_| vec![])
     }
-    fn context_restart(&self, id: &str, _c: &str) -> Result<(), RuntimeError> {
+    pub(crate) fn context_restart(&self, id: &str, _c: &str) -> Result<(), RuntimeError> {
         known(id)
     }
-    fn context_remove(&self, id: &str, _c: &str) -> Result<(), RuntimeError> {
+    pub(crate) fn context_remove(&self, id: &str, _c: &str) -> Result<(), RuntimeError> {
         known(id)
     }
-    fn process_signal(&self, id: &str, _pid: i32, _signal: i32) -> Result<(), RuntimeError> {
+    pub(crate) fn process_signal(
+        &self,
+        id: &str,
+        _pid: i32,
+        _signal: i32,
+    ) -> Result<(), RuntimeError> {
         known(id)?;
         self.interrupted.store(true, Ordering::SeqCst);
         Ok(())
     }
-    fn interrupt(&self, id: &str, c: &str) -> Result<(), RuntimeError> {
+    pub(crate) fn interrupt(&self, id: &str, c: &str) -> Result<(), RuntimeError> {
         known(id)?;
         *self.interrupted_context.lock().unwrap() = Some(c.to_string());
         self.interrupted.store(true, Ordering::SeqCst);
         Ok(())
     }
-    fn run_code(
+    pub(crate) fn run_code(
         &self,
         id: &str,
         req: &RunCodeRequest,
@@ -278,7 +294,7 @@ impl Backend for Fake {
             duration_ms: Some(3),
         })
     }
-    fn exec(
+    pub(crate) fn exec(
         &self,
         id: &str,
         req: &ExecRequest,
@@ -290,7 +306,12 @@ impl Backend for Fake {
         on_event(&EventKind::Exit(ExitStatus::Code(3)));
         Ok(EndStatus::Ok)
     }
-    fn write_file(&self, id: &str, _p: &str, data: &mut dyn Read) -> Result<u64, RuntimeError> {
+    pub(crate) fn write_file(
+        &self,
+        id: &str,
+        _p: &str,
+        data: &mut dyn Read,
+    ) -> Result<u64, RuntimeError> {
         known(id)?;
         let mut v = Vec::new();
         data.read_to_end(&mut v)
@@ -299,7 +320,12 @@ impl Backend for Fake {
         *self.written.lock().unwrap() = v;
         Ok(n)
     }
-    fn read_file(&self, id: &str, path: &str, out: &mut dyn Write) -> Result<u64, RuntimeError> {
+    pub(crate) fn read_file(
+        &self,
+        id: &str,
+        path: &str,
+        out: &mut dyn Write,
+    ) -> Result<u64, RuntimeError> {
         known(id)?;
         if path != "/data" {
             return Err(RuntimeError::Guest {
@@ -316,33 +342,151 @@ impl Backend for Fake {
         }
         Ok(300_000)
     }
-    fn list_files(&self, id: &str, _p: &str, _d: u32) -> Result<Vec<DirEntry>, RuntimeError> {
+    pub(crate) fn list_files(
+        &self,
+        id: &str,
+        _p: &str,
+        _d: u32,
+    ) -> Result<Vec<DirEntry>, RuntimeError> {
         known(id).map(|_| vec![])
     }
-    fn stat(&self, id: &str, _p: &str) -> Result<FileStat, RuntimeError> {
+    pub(crate) fn stat(&self, id: &str, _p: &str) -> Result<FileStat, RuntimeError> {
         known(id)?;
         Err(RuntimeError::Internal("disk on fire".into()))
     }
-    fn mkdir(&self, id: &str, _p: &str) -> Result<(), RuntimeError> {
+    pub(crate) fn mkdir(&self, id: &str, _p: &str) -> Result<(), RuntimeError> {
         known(id)
     }
-    fn remove(&self, id: &str, _p: &str, _r: bool) -> Result<(), RuntimeError> {
+    pub(crate) fn remove(&self, id: &str, _p: &str, _r: bool) -> Result<(), RuntimeError> {
         known(id)
     }
-    fn rename(&self, id: &str, _f: &str, _t: &str) -> Result<(), RuntimeError> {
+    pub(crate) fn rename(&self, id: &str, _f: &str, _t: &str) -> Result<(), RuntimeError> {
         known(id)
     }
-    fn collect_artifacts(&self, id: &str) -> Result<Vec<ArtifactInfo>, RuntimeError> {
+    pub(crate) fn collect_artifacts(&self, id: &str) -> Result<Vec<ArtifactInfo>, RuntimeError> {
         known(id).map(|_| vec![])
     }
-    fn artifacts(&self, id: &str) -> Result<Vec<ArtifactInfo>, RuntimeError> {
+    pub(crate) fn artifacts(&self, id: &str) -> Result<Vec<ArtifactInfo>, RuntimeError> {
         known(id).map(|_| vec![])
     }
-    fn artifact_path(&self, id: &str, path: &str) -> Result<PathBuf, RuntimeError> {
+    pub(crate) fn artifact_path(&self, id: &str, path: &str) -> Result<PathBuf, RuntimeError> {
         known(id)?;
         Err(RuntimeError::NoSuchArtifact(format!(
             "no artifact {path:?}"
         )))
+    }
+}
+
+/// The fake behind the call surface: the same dispatch as the runtime's, to the methods above.
+mod dispatch {
+    use super::*;
+    use ember_runtime::call::*;
+    use ember_runtime::call::{Handler, Io, Reply, Request};
+
+    impl Handler for Fake {
+        fn handle(&self, req: Request, io: Io<'_>) -> Result<Reply, RuntimeError> {
+            let Io {
+                events,
+                input,
+                output,
+                progress,
+            } = io;
+            let mut no_events = |_: &EventKind| true;
+            let events: &mut dyn FnMut(&EventKind) -> bool = match events {
+                Some(f) => f,
+                None => &mut no_events,
+            };
+            let missing = |what: &str| RuntimeError::Internal(format!("the caller gave no {what}"));
+            Ok(match req {
+                Request::ListTemplates(ListTemplates {}) => Reply::ListTemplates(self.templates()?),
+                Request::BuildTemplate(BuildTemplate { name, rebuild }) => {
+                    let mut quiet = |_: BuildEvent| {};
+                    let progress: &mut dyn FnMut(BuildEvent) = match progress {
+                        Some(f) => f,
+                        None => &mut quiet,
+                    };
+                    Reply::BuildTemplate(self.build_template(&name, rebuild, progress)?)
+                }
+                Request::Create(Create { req }) => Reply::Create(self.create(&req)?),
+                Request::List(List { filter }) => Reply::List(self.list(&filter)?),
+                Request::Get(Get { id }) => Reply::Get(self.get(&id)?),
+                Request::Kill(Kill { id }) => Reply::Kill(self.kill(&id)?),
+                Request::Pause(Pause { id }) => Reply::Pause(self.pause(&id)?),
+                Request::Resume(Resume { id }) => Reply::Resume(self.resume(&id)?),
+                Request::SetTimeout(SetTimeout {
+                    id,
+                    secs,
+                    on_timeout,
+                }) => Reply::SetTimeout(self.set_timeout(&id, secs, on_timeout)?),
+                Request::TakeSnapshot(TakeSnapshot { id, req }) => {
+                    Reply::TakeSnapshot(self.snapshot(&id, &req)?)
+                }
+                Request::ListSnapshots(ListSnapshots {}) => Reply::ListSnapshots(self.snapshots()?),
+                Request::DeleteSnapshot(DeleteSnapshot { name }) => {
+                    Reply::DeleteSnapshot(self.delete_snapshot(&name)?)
+                }
+                Request::Fork(Fork { id, req }) => Reply::Fork(self.fork(&id, &req)?),
+                Request::History(History { id }) => Reply::History(self.history(&id)?),
+                Request::Audit(Audit { filter }) => Reply::Audit(self.audit(&filter)?),
+                Request::GetMetrics(GetMetrics {}) => Reply::GetMetrics(self.metrics()),
+                Request::ContextCreate(ContextCreate { id, language, cwd }) => {
+                    Reply::ContextCreate(self.context_create(&id, &language, cwd.as_deref())?)
+                }
+                Request::ContextList(ContextList { id }) => {
+                    Reply::ContextList(self.context_list(&id)?)
+                }
+                Request::ContextRestart(ContextRestart { id, context }) => {
+                    Reply::ContextRestart(self.context_restart(&id, &context)?)
+                }
+                Request::ContextRemove(ContextRemove { id, context }) => {
+                    Reply::ContextRemove(self.context_remove(&id, &context)?)
+                }
+                Request::Interrupt(Interrupt { id, context }) => {
+                    Reply::Interrupt(self.interrupt(&id, &context)?)
+                }
+                Request::ProcessSignal(ProcessSignal { id, pid, signal }) => {
+                    Reply::ProcessSignal(self.process_signal(&id, pid, signal)?)
+                }
+                Request::RunCode(RunCode { id, req }) => {
+                    Reply::RunCode(self.run_code(&id, &req, events)?)
+                }
+                Request::Exec(Exec { id, req }) => Reply::Exec(self.exec(&id, &req, events)?),
+                Request::WriteFile(WriteFile { id, path }) => {
+                    let input = input.ok_or_else(|| missing("bytes to write"))?;
+                    Reply::WriteFile(self.write_file(&id, &path, input)?)
+                }
+                Request::ReadFile(ReadFile { id, path }) => {
+                    let output = output.ok_or_else(|| missing("place for the bytes"))?;
+                    Reply::ReadFile(self.read_file(&id, &path, output)?)
+                }
+                Request::ListFiles(ListFiles { id, path, depth }) => {
+                    Reply::ListFiles(self.list_files(&id, &path, depth)?)
+                }
+                Request::Stat(Stat { id, path }) => Reply::Stat(self.stat(&id, &path)?),
+                Request::Mkdir(Mkdir { id, path }) => Reply::Mkdir(self.mkdir(&id, &path)?),
+                Request::Remove(Remove {
+                    id,
+                    path,
+                    recursive,
+                }) => Reply::Remove(self.remove(&id, &path, recursive)?),
+                Request::Rename(Rename { id, from, to }) => {
+                    Reply::Rename(self.rename(&id, &from, &to)?)
+                }
+                Request::CollectArtifacts(CollectArtifacts { id }) => {
+                    Reply::CollectArtifacts(self.collect_artifacts(&id)?)
+                }
+                Request::Artifacts(Artifacts { id }) => Reply::Artifacts(self.artifacts(&id)?),
+                Request::ArtifactPath(ArtifactPath { id, path }) => {
+                    Reply::ArtifactPath(self.artifact_path(&id, &path)?)
+                }
+                other => {
+                    return Err(RuntimeError::Internal(format!(
+                        "the fake does not answer {}",
+                        other.name()
+                    )))
+                }
+            })
+        }
     }
 }
 

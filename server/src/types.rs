@@ -54,51 +54,7 @@ pub struct StreamLine {
     pub kind: String,
 }
 
-/// The VM shape of a template.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct VmShapeInfo {
-    /// vCPUs.
-    pub vcpus: u8,
-    /// Guest memory, MiB.
-    pub memory_mib: u64,
-    /// Root disk size, MiB, when the recipe gives one.
-    pub disk_mib: Option<u64>,
-}
-
-/// A built template.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct TemplateSummary {
-    /// The name it is known by (None: an older build no name points at any more).
-    pub name: Option<String>,
-    /// The hash of everything that went into it.
-    pub key: String,
-    /// When it was built, RFC 3339.
-    pub built_at: String,
-    /// The VM shape every sandbox of it has.
-    pub vm: VmShapeInfo,
-    /// Bytes of its snapshot on disk.
-    pub snapshot_bytes: u64,
-    /// The guest directory whose files become artifacts.
-    pub outputs: String,
-}
-
-impl TemplateSummary {
-    /// The summary of a built template.
-    pub fn of(name: Option<String>, t: &ember_runtime::Template) -> Self {
-        TemplateSummary {
-            name,
-            key: t.info.key.clone(),
-            built_at: t.info.built_at.clone(),
-            vm: VmShapeInfo {
-                vcpus: t.info.vm.vcpus,
-                memory_mib: t.info.vm.memory_mib,
-                disk_mib: t.info.vm.disk_mib,
-            },
-            snapshot_bytes: t.info.snapshot_bytes,
-            outputs: t.info.outputs.clone(),
-        }
-    }
-}
+pub use ember_runtime::{TemplateSummary, VmShapeInfo};
 
 /// Body of `POST /v1/templates/{name}/build` (may be empty).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]

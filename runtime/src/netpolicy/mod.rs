@@ -254,7 +254,7 @@ impl SandboxNet {
 }
 
 /// What [`NetManager::stats`] reports.
-#[derive(Debug, Clone, Default, serde::Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct NetStats {
     /// Rule counters and samples.
     #[serde(flatten)]

@@ -426,7 +426,9 @@ pub fn run(args: &[&str], stdin: Option<&Value>) -> Result<String, NftError> {
 }
 
 /// Counters and samples read back from a sandbox's table.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+#[derive(
+    Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema,
+)]
 pub struct DropStats {
     /// Connection attempts refused.
     pub dropped: u64,

@@ -7,6 +7,7 @@
 //! sandbox; 404 for a sandbox that does not exist or has ended (E2B forgets killed
 //! sandboxes). Every error is `{"code": <status>, "message": "…"}`.
 
+use ember_runtime::call::{self, Io};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::OnceLock;
 use std::time::{Duration, SystemTime};
@@ -191,7 +192,17 @@ pub fn detail_json(st: &E2bState, info: &SandboxInfo) -> Value {
 /// A live sandbox, or 404.
 async fn live(st: &E2bState, id: &str) -> Answer<SandboxInfo> {
     let id2 = id.to_string();
-    let info = st.app.call(move |b| b.get(&id2)).await?;
+    let info = st
+        .app
+        .call(move |b| {
+            b.call(
+                call::Get {
+                    id: id2.to_string(),
+                },
+                Io::none(),
+            )
+        })
+        .await?;
     if info.state.is_final() {
         return Err(gone(id));
     }
@@ -235,7 +246,14 @@ fn extend(
     if secs_left(info).is_some_and(|left| left >= secs) {
         return Ok(info.clone());
     }
-    b.set_timeout(&info.id, secs, None)
+    b.call(
+        call::SetTimeout {
+            id: info.id.to_string(),
+            secs,
+            on_timeout: None,
+        },
+        Io::none(),
+    )
 }
 
 fn created(v: Value) -> Response {
@@ -340,20 +358,31 @@ async fn create(
         ..Default::default()
     };
     let snapshot = requested.clone();
-    let info = call(&st, move |b| match b.create(&req) {
-        // Not a template: a snapshot of that name (snapshot ids go where template ids go).
-        Err(e) if matches!(e.code(), "template_not_found" | "invalid_request") => {
-            if !b.snapshots()?.iter().any(|s| s.name == snapshot) {
-                return Err(e);
+    let info = call(&st, move |b| {
+        match b.call(call::Create { req: req.clone() }, Io::none()) {
+            // Not a template: a snapshot of that name (snapshot ids go where template ids go).
+            Err(e) if matches!(e.code(), "template_not_found" | "invalid_request") => {
+                if !b
+                    .call(call::ListSnapshots {}, Io::none())?
+                    .iter()
+                    .any(|s| s.name == snapshot)
+                {
+                    return Err(e);
+                }
+                let from_snapshot = CreateRequest {
+                    template: None,
+                    snapshot: Some(snapshot),
+                    ..req
+                };
+                b.call(
+                    call::Create {
+                        req: from_snapshot.clone(),
+                    },
+                    Io::none(),
+                )
             }
-            let from_snapshot = CreateRequest {
-                template: None,
-                snapshot: Some(snapshot),
-                ..req
-            };
-            b.create(&from_snapshot)
+            r => r,
         }
-        r => r,
     })
     .await?;
     Ok(created(sandbox_json(&st, &info, Some(&requested))))
@@ -382,9 +411,21 @@ async fn connect(
     }
     let info = call(&st, move |b| {
         if paused {
-            let info = b.resume(&info.id)?;
+            let info = b.call(
+                call::Resume {
+                    id: info.id.to_string(),
+                },
+                Io::none(),
+            )?;
             match body.timeout {
-                Some(t) => b.set_timeout(&info.id, t, None),
+                Some(t) => b.call(
+                    call::SetTimeout {
+                        id: info.id.to_string(),
+                        secs: t,
+                        on_timeout: None,
+                    },
+                    Io::none(),
+                ),
                 None => Ok(info),
             }
         } else {
@@ -416,9 +457,16 @@ async fn resume(
         ));
     }
     let info = call(&st, move |b| {
-        let info = b.resume(&id)?;
+        let info = b.call(call::Resume { id: id.to_string() }, Io::none())?;
         match body.timeout {
-            Some(t) => b.set_timeout(&id, t, None),
+            Some(t) => b.call(
+                call::SetTimeout {
+                    id: id.to_string(),
+                    secs: t,
+                    on_timeout: None,
+                },
+                Io::none(),
+            ),
             None => Ok(info),
         }
     })
@@ -435,7 +483,10 @@ async fn kill(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<Stat
     live(&st, &id).await?;
     // Open attaches and watches hold call slots; end them first.
     st.rpc.forget_sandbox(&id);
-    call(&st, move |b| b.kill(&id)).await?;
+    call(&st, move |b| {
+        b.call(call::Kill { id: id.to_string() }, Io::none())
+    })
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -450,7 +501,17 @@ async fn set_timeout(
     E2bJson(body): E2bJson<TimeoutBody>,
 ) -> Answer<StatusCode> {
     live(&st, &id).await?;
-    call(&st, move |b| b.set_timeout(&id, body.timeout, None)).await?;
+    call(&st, move |b| {
+        b.call(
+            call::SetTimeout {
+                id: id.to_string(),
+                secs: body.timeout,
+                on_timeout: None,
+            },
+            Io::none(),
+        )
+    })
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -486,7 +547,10 @@ async fn pause(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<Sta
     // Open attaches and watches hold call slots, which a pause waits for: end them first
     // (the processes themselves keep running and are attachable after the resume).
     st.rpc.forget_sandbox(&id);
-    call(&st, move |b| b.pause(&id)).await?;
+    call(&st, move |b| {
+        b.call(call::Pause { id: id.to_string() }, Io::none())
+    })
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -495,7 +559,11 @@ async fn metrics(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<J
     if info.state != SandboxState::Running {
         return Ok(Json(json!([])));
     }
-    let u = match call(&st, move |b| b.usage(&id)).await {
+    let u = match call(&st, move |b| {
+        b.call(call::GetUsage { id: id.to_string() }, Io::none())
+    })
+    .await
+    {
         Ok(u) => u,
         // Paused or ended meanwhile: no samples.
         Err(e) if e.status == StatusCode::CONFLICT || e.status == StatusCode::NOT_FOUND => {
@@ -534,7 +602,16 @@ async fn fork(
         timeout_secs: body.timeout,
         metadata: None,
     };
-    let forks = call(&st, move |b| b.fork(&id, &req)).await?;
+    let forks = call(&st, move |b| {
+        b.call(
+            call::Fork {
+                id: id.to_string(),
+                req: req.clone(),
+            },
+            Io::none(),
+        )
+    })
+    .await?;
     let out: Vec<Value> = forks
         .iter()
         .map(|f| json!({"sandbox": sandbox_json(&st, f, None)}))
@@ -566,12 +643,29 @@ async fn snapshot(
     }
     live(&st, &id).await?;
     let req = SnapshotRequest { name: body.name };
-    let s = call(&st, move |b| b.snapshot(&id, &req)).await?;
+    let s = call(&st, move |b| {
+        b.call(
+            call::TakeSnapshot {
+                id: id.to_string(),
+                req: req.clone(),
+            },
+            Io::none(),
+        )
+    })
+    .await?;
     Ok(created(snapshot_json(&s)))
 }
 
 async fn delete_snapshot(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<StatusCode> {
-    call(&st, move |b| b.delete_snapshot(&id)).await?;
+    call(&st, move |b| {
+        b.call(
+            call::DeleteSnapshot {
+                name: id.to_string(),
+            },
+            Io::none(),
+        )
+    })
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -712,7 +806,15 @@ async fn listed(
         metadata,
         ..ListFilter::default()
     };
-    let mut all = call(st, move |b| b.list(&filter)).await?;
+    let mut all = call(st, move |b| {
+        b.call(
+            call::List {
+                filter: filter.clone(),
+            },
+            Io::none(),
+        )
+    })
+    .await?;
     all.retain(|i| {
         e2b_state(i.state).is_some_and(|s| states.contains(s))
             && template.as_ref().is_none_or(|t| template_id(i) == *t)
@@ -754,7 +856,7 @@ async fn list_snapshots(
     Query(q): Query<BTreeMap<String, String>>,
 ) -> Answer<Response> {
     let limit = limit_of(q.get("limit"))?;
-    let mut all = call(&st, |b| b.snapshots()).await?;
+    let mut all = call(&st, |b| b.call(call::ListSnapshots {}, Io::none())).await?;
     all.retain(|s| {
         q.get("sandboxID").is_none_or(|id| s.sandbox == *id)
             && q.get("name").is_none_or(|n| s.name == *n)

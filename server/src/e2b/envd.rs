@@ -12,6 +12,7 @@
 //! `{"code","message"}`: 404 no such file, 400 a directory or a bad request, 401 an unknown
 //! user, 413 over the server's upload limit.
 
+use ember_runtime::call::{self, Io};
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::sync::OnceLock;
@@ -168,7 +169,14 @@ async fn download(
     let id = t.id;
     Ok(stream::raw(
         move |w| {
-            b.read_file(&id, &path, w).map_err(|e| {
+            b.call(
+                call::ReadFile {
+                    id: id.to_string(),
+                    path: path.to_string(),
+                },
+                Io::output(w),
+            )
+            .map_err(|e| {
                 let e = file_error(&id, &path, e);
                 ApiError::new(e.status, "e2b", e.message)
             })?;
@@ -251,7 +259,13 @@ where
             left: limit,
             fail: fail2,
         };
-        b.write_file(&id2, &path2, &mut watched)
+        b.call(
+            call::WriteFile {
+                id: id2.to_string(),
+                path: path2.to_string(),
+            },
+            Io::input(&mut watched),
+        )
     });
     let over = pump_body(body, tx, limit).await;
     let r = match job.await {
@@ -322,12 +336,18 @@ async fn give_to_user(app: &AppState, id: &str, path: &str) {
     let r = app
         .call(move |b| {
             let mut code = None;
-            b.exec(&id, &req, &mut |ev| {
-                if let EventKind::Exit(s) = ev {
-                    code = Some(*s);
-                }
-                true
-            })?;
+            b.call(
+                call::Exec {
+                    id: id.to_string(),
+                    req: req.clone(),
+                },
+                Io::events(&mut |ev| {
+                    if let EventKind::Exit(s) = ev {
+                        code = Some(*s);
+                    }
+                    true
+                }),
+            )?;
             Ok(code)
         })
         .await;

@@ -10,6 +10,7 @@
 //! A client that goes away interrupts the code (its next output fails to send, or, if it
 //! prints nothing, the context is interrupted when the response is dropped).
 
+use ember_runtime::call::{self, Io};
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -319,7 +320,13 @@ async fn execute(
         context.clone(),
     );
     let mut abandon = Abandon(Some(Box::new(move || {
-        if let Err(e) = b2.interrupt(&id2, &ctx2) {
+        if let Err(e) = b2.call(
+            call::Interrupt {
+                id: id2.to_string(),
+                context: ctx2.to_string(),
+            },
+            Io::none(),
+        ) {
             tracing::info!("interrupting {id2}/{ctx2} after the client left: {e}");
         }
     })));
@@ -383,15 +390,21 @@ fn run(b: &dyn Backend, id: &str, req: &RunCodeRequest, implicit: bool, tx: &mps
     let mut tr = Translator::default();
     let mut sent = false;
     let attempt = |tr: &mut Translator, sent: &mut bool| {
-        b.run_code(id, req, &mut |ev| {
-            for v in tr.lines(ev) {
-                if tx.blocking_send(Msg::Line(line(&v))).is_err() {
-                    return false;
+        b.call(
+            call::RunCode {
+                id: id.to_string(),
+                req: req.clone(),
+            },
+            Io::events(&mut |ev| {
+                for v in tr.lines(ev) {
+                    if tx.blocking_send(Msg::Line(line(&v))).is_err() {
+                        return false;
+                    }
+                    *sent = true;
                 }
-                *sent = true;
-            }
-            true
-        })
+                true
+            }),
+        )
     };
     let mut r = attempt(&mut tr, &mut sent);
     if let Err(RuntimeError::Guest {
@@ -521,7 +534,16 @@ async fn create_context(
     let id = t.id.clone();
     match st
         .app
-        .call(move |b| b.context_create(&id, lang, Some(&cwd)))
+        .call(move |b| {
+            b.call(
+                call::ContextCreate {
+                    id: id.to_string(),
+                    language: lang.to_string(),
+                    cwd: Some(&cwd).map(|s| s.to_string()),
+                },
+                Io::none(),
+            )
+        })
         .await
     {
         Ok(c) => Json(context_json(&c)).into_response(),
@@ -531,7 +553,11 @@ async fn create_context(
 
 async fn list_contexts(State(st): State<E2bState>, Extension(t): Extension<Target>) -> Response {
     let id = t.id.clone();
-    match st.app.call(move |b| b.context_list(&id)).await {
+    match st
+        .app
+        .call(move |b| b.call(call::ContextList { id: id.to_string() }, Io::none()))
+        .await
+    {
         Ok(v) => Json(Value::Array(v.iter().map(context_json).collect())).into_response(),
         Err(e) => E2bError::from(e).into_response(),
     }
@@ -543,7 +569,15 @@ async fn restart_context(
     Path(ctx): Path<String>,
 ) -> Response {
     let (id, c) = (t.id.clone(), ctx.clone());
-    let job = st.app.spawn(move |b| b.context_restart(&id, &c));
+    let job = st.app.spawn(move |b| {
+        b.call(
+            call::ContextRestart {
+                id: id.to_string(),
+                context: c.to_string(),
+            },
+            Io::none(),
+        )
+    });
     match job.await {
         Ok(Ok(())) => StatusCode::OK.into_response(),
         Ok(Err(e)) => context_error(&t.id, &ctx, e),
@@ -557,7 +591,15 @@ async fn remove_context(
     Path(ctx): Path<String>,
 ) -> Response {
     let (id, c) = (t.id.clone(), ctx.clone());
-    let job = st.app.spawn(move |b| b.context_remove(&id, &c));
+    let job = st.app.spawn(move |b| {
+        b.call(
+            call::ContextRemove {
+                id: id.to_string(),
+                context: c.to_string(),
+            },
+            Io::none(),
+        )
+    });
     match job.await {
         Ok(Ok(())) => StatusCode::OK.into_response(),
         Ok(Err(e)) => context_error(&t.id, &ctx, e),

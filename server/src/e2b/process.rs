@@ -20,6 +20,7 @@
 //! - `SendInput`, `StreamInput`, `CloseStdin`, `SendSignal` (SIGTERM, SIGKILL, to the
 //!   group), `Update` (terminal size).
 
+use ember_runtime::call::{self, Io};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -490,7 +491,14 @@ async fn start_inner(st: &E2bState, id: &str, req: Request) -> Result<Response, 
     });
     let sid = id.to_string();
     let job = st.app.spawn(move |b| {
-        let row_env = b.get(&sid)?.env;
+        let row_env = b
+            .call(
+                call::Get {
+                    id: sid.to_string(),
+                },
+                Io::none(),
+            )?
+            .env;
         with_sandbox(b, &sid, "e2b_process_start", args, move |sb| {
             let mut exec = exec;
             let mut env = sb.template_env().clone();

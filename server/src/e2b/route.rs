@@ -16,6 +16,7 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use ember_runtime::call::{self, Io};
 
 use super::{control, envd, interp, E2bError, E2bRoute, E2bState, ENVD_PORT, INTERP_PORT};
 use crate::AppState;
@@ -251,7 +252,18 @@ async fn sandbox(st: E2bState, id: String, port: u16, mut req: Request) -> Respo
         .into_response();
     }
     let id2 = id.clone();
-    let info = match st.app.call(move |b| b.get(&id2)).await {
+    let info = match st
+        .app
+        .call(move |b| {
+            b.call(
+                call::Get {
+                    id: id2.to_string(),
+                },
+                Io::none(),
+            )
+        })
+        .await
+    {
         Ok(i) => i,
         Err(e) if e.status == StatusCode::NOT_FOUND => {
             return E2bError::sandbox_gone(&id).into_response()
@@ -268,7 +280,18 @@ async fn sandbox(st: E2bState, id: String, port: u16, mut req: Request) -> Respo
         // A guest port (`get_host(port)`): exposed ports only, with the sandbox's token
         // unless exposed as public.
         let id2 = id.clone();
-        let exposed = st.app.call(move |b| b.exposed(&id2, port)).await;
+        let exposed = st
+            .app
+            .call(move |b| {
+                b.call(
+                    call::Exposed {
+                        id: id2.to_string(),
+                        port,
+                    },
+                    Io::none(),
+                )
+            })
+            .await;
         let Ok(Some(exposed)) = exposed else {
             return E2bError::port_closed(&id, port).into_response();
         };

@@ -1,0 +1,459 @@
+//! The call surface: every operation on the runtime as one serializable [`Request`], with a
+//! typed reply, handled in one place ([`Runtime::handle`]).
+//!
+//! Each call is a struct of its arguments (`Get { id }`, `RunCode { id, req }`, …) that names
+//! its reply type through [`Call`], so a caller writes `runtime.call(Get { id }, Io::none())?`
+//! and gets a `SandboxInfo` back. The structs are gathered into [`Request`] (what crosses a
+//! process or host boundary: serde, tagged `{"call": "get", "args": {...}}`) and their replies
+//! into [`Reply`]. The server's surfaces (native API, E2B adapter), the CLI and the fleet's
+//! gateway translate what they receive into these requests and nothing else; Firecracker's
+//! `VmmAction`/`VmmData` is the model.
+//!
+//! Streams are not serialized: a call that produces events (`RunCode`, `Exec`), takes bytes
+//! (`WriteFile`), gives bytes (`ReadFile`) or reports progress (`BuildTemplate`) gets them
+//! through [`Io`], beside the request. An event sink that returns `false` cancels the call
+//! (the guest work is interrupted): that is how a client that goes away stops its code.
+//!
+//! [`Runtime::handle`] is the one place every call goes through: it times the call, counts
+//! it in [`Runtime::call_counts`], and dispatches. Auditing, the state check and the implicit
+//! resume of a paused sandbox happen below it, in the one helper every sandbox call uses
+//! (`calls.rs`, `Runtime::audited`).
+//!
+//! Adding a call: a line in the `calls!` list below, an arm in [`Runtime::dispatch`], the
+//! runtime method it calls, and the route that sends it.
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+pub use ember_agent::protocol::{
+    ContextInfo, DirEntry, EndStatus, EventKind, ExecRequest, FileStat, RunCodeRequest,
+};
+
+use crate::template::{BuildEvent, BuildOptions, Template};
+use crate::{
+    ArtifactInfo, AuditFilter, AuditRecord, CreateRequest, ExposedPort, ForkRequest, ListFilter,
+    Metrics, NetworkInfo, NetworkPolicy, OnTimeout, RunEnd, Runtime, RuntimeError, SandboxInfo,
+    SnapshotInfo, SnapshotRequest, TemplateSummary, Transition, Usage,
+};
+
+/// One call: its arguments (the struct), its reply type and its name (as audited and timed).
+pub trait Call: Into<Request> {
+    /// What it answers.
+    type Reply;
+    /// Its name (`snake_case`, as in the serialized [`Request`]).
+    const NAME: &'static str;
+    /// Its reply out of a [`Reply`] (None: the handler answered another call's reply).
+    fn reply(r: Reply) -> Option<Self::Reply>;
+}
+
+/// The streams of a call, beside its request.
+#[derive(Default)]
+pub struct Io<'a> {
+    /// Events of `RunCode` and `Exec`, as the guest produces them; `false` stops the call.
+    pub events: Option<&'a mut dyn FnMut(&EventKind) -> bool>,
+    /// The bytes `WriteFile` writes.
+    pub input: Option<&'a mut dyn Read>,
+    /// Where `ReadFile` writes the file's bytes.
+    pub output: Option<&'a mut dyn Write>,
+    /// `BuildTemplate`'s progress.
+    pub progress: Option<&'a mut dyn FnMut(BuildEvent)>,
+}
+
+impl std::fmt::Debug for Io<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Io")
+            .field("events", &self.events.is_some())
+            .field("input", &self.input.is_some())
+            .field("output", &self.output.is_some())
+            .field("progress", &self.progress.is_some())
+            .finish()
+    }
+}
+
+impl<'a> Io<'a> {
+    /// No streams (every call but the four above).
+    pub fn none() -> Self {
+        Io::default()
+    }
+    /// An event sink.
+    pub fn events(f: &'a mut dyn FnMut(&EventKind) -> bool) -> Self {
+        Io {
+            events: Some(f),
+            ..Io::default()
+        }
+    }
+    /// Bytes in.
+    pub fn input(r: &'a mut dyn Read) -> Self {
+        Io {
+            input: Some(r),
+            ..Io::default()
+        }
+    }
+    /// Bytes out.
+    pub fn output(w: &'a mut dyn Write) -> Self {
+        Io {
+            output: Some(w),
+            ..Io::default()
+        }
+    }
+    /// Build progress.
+    pub fn progress(f: &'a mut dyn FnMut(BuildEvent)) -> Self {
+        Io {
+            progress: Some(f),
+            ..Io::default()
+        }
+    }
+}
+
+/// What handles calls: the [`Runtime`], and whatever stands in for it (the server's tests use
+/// a fake; the fleet's gateway forwards to a node).
+pub trait Handler: Send + Sync {
+    /// Handles one request.
+    fn handle(&self, req: Request, io: Io<'_>) -> Result<Reply, RuntimeError>;
+}
+
+/// [`Handler::handle`] with the call's own reply type (`Runtime::call` and the server's
+/// `dyn Backend::call` are this).
+pub fn call_dyn<C: Call, H: Handler + ?Sized>(
+    h: &H,
+    call: C,
+    io: Io<'_>,
+) -> Result<C::Reply, RuntimeError> {
+    let r = h.handle(call.into(), io)?;
+    C::reply(r).ok_or_else(|| {
+        RuntimeError::Internal(format!("{}: the handler answered another call", C::NAME))
+    })
+}
+
+macro_rules! calls {
+    ($(
+        $(#[$doc:meta])*
+        $name:ident $snake:literal { $($(#[$fdoc:meta])* $field:ident : $ty:ty),* $(,)? } -> $reply:ty;
+    )*) => {
+        $(
+            $(#[$doc])*
+            #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+            pub struct $name { $($(#[$fdoc])* pub $field: $ty),* }
+
+            impl Call for $name {
+                type Reply = $reply;
+                const NAME: &'static str = $snake;
+                fn reply(r: Reply) -> Option<$reply> {
+                    match r {
+                        Reply::$name(v) => Some(v),
+                        _ => None,
+                    }
+                }
+            }
+
+            impl From<$name> for Request {
+                fn from(c: $name) -> Request {
+                    Request::$name(c)
+                }
+            }
+        )*
+
+        /// Every call, as it crosses a process or host boundary.
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(tag = "call", content = "args", rename_all = "snake_case")]
+        pub enum Request { $($name($name)),* }
+
+        /// Every call's reply.
+        #[derive(Debug, Clone, Serialize, Deserialize)]
+        #[serde(tag = "call", content = "reply", rename_all = "snake_case")]
+        pub enum Reply { $($name($reply)),* }
+
+        impl Request {
+            /// The call's name.
+            pub fn name(&self) -> &'static str {
+                match self { $(Request::$name(_) => $snake),* }
+            }
+            /// Every call's name, in declaration order.
+            pub const NAMES: &'static [&'static str] = &[$($snake),*];
+        }
+    };
+}
+
+calls! {
+    /// Built templates.
+    ListTemplates "list_templates" {} -> Vec<TemplateSummary>;
+    /// Builds a template (or finds it built); progress through [`Io::progress`].
+    BuildTemplate "build_template" { name: String, rebuild: bool } -> TemplateSummary;
+    /// Creates a sandbox.
+    Create "create" { req: CreateRequest } -> SandboxInfo;
+    /// Sandboxes that match a filter.
+    List "list" { filter: ListFilter } -> Vec<SandboxInfo>;
+    /// One sandbox.
+    Get "get" { id: String } -> SandboxInfo;
+    /// Kills a sandbox.
+    Kill "kill" { id: String } -> SandboxInfo;
+    /// Pauses a sandbox (snapshot to disk; its VMM exits).
+    Pause "pause" { id: String } -> SandboxInfo;
+    /// Resumes a paused sandbox.
+    Resume "resume" { id: String } -> SandboxInfo;
+    /// Sets a sandbox's timeout (seconds from now) and what happens then.
+    SetTimeout "set_timeout" { id: String, secs: u64, on_timeout: Option<OnTimeout> } -> SandboxInfo;
+    /// Takes a named snapshot of a sandbox.
+    TakeSnapshot "snapshot" { id: String, req: SnapshotRequest } -> SnapshotInfo;
+    /// Named snapshots.
+    ListSnapshots "snapshots" {} -> Vec<SnapshotInfo>;
+    /// Deletes a named snapshot.
+    DeleteSnapshot "delete_snapshot" { name: String } -> ();
+    /// Forks a sandbox into new ones.
+    Fork "fork" { id: String, req: ForkRequest } -> Vec<SandboxInfo>;
+    /// A sandbox's state history.
+    History "history" { id: String } -> Vec<Transition>;
+    /// The audit log.
+    Audit "audit" { filter: AuditFilter } -> Vec<AuditRecord>;
+    /// The runtime's counters.
+    GetMetrics "metrics" {} -> Metrics;
+    /// What a running sandbox uses on the host now.
+    GetUsage "usage" { id: String } -> Usage;
+    /// Creates a code context.
+    ContextCreate "context_create" { id: String, language: String, cwd: Option<String> } -> ContextInfo;
+    /// A sandbox's code contexts.
+    ContextList "context_list" { id: String } -> Vec<ContextInfo>;
+    /// Restarts a context (its state is lost).
+    ContextRestart "context_restart" { id: String, context: String } -> ();
+    /// Removes a context.
+    ContextRemove "context_remove" { id: String, context: String } -> ();
+    /// Interrupts the code running in a context.
+    Interrupt "interrupt" { id: String, context: String } -> ();
+    /// Sends a signal to a guest process.
+    ProcessSignal "process_signal" { id: String, pid: i32, signal: i32 } -> ();
+    /// Runs code in a context; events through [`Io::events`].
+    RunCode "run_code" { id: String, req: RunCodeRequest } -> RunEnd;
+    /// Runs a program; events through [`Io::events`].
+    Exec "exec" { id: String, req: ExecRequest } -> EndStatus;
+    /// Writes a guest file from [`Io::input`]; answers the bytes written.
+    WriteFile "write_file" { id: String, path: String } -> u64;
+    /// Reads a guest file into [`Io::output`]; answers the bytes read.
+    ReadFile "read_file" { id: String, path: String } -> u64;
+    /// Lists a guest directory.
+    ListFiles "list_files" { id: String, path: String, depth: u32 } -> Vec<DirEntry>;
+    /// Stats a guest path.
+    Stat "stat" { id: String, path: String } -> FileStat;
+    /// Makes a guest directory (and its parents).
+    Mkdir "mkdir" { id: String, path: String } -> ();
+    /// Removes a guest path.
+    Remove "remove" { id: String, path: String, recursive: bool } -> ();
+    /// Renames a guest path.
+    Rename "rename" { id: String, from: String, to: String } -> ();
+    /// Copies the sandbox's outputs directory out as artifacts now.
+    CollectArtifacts "collect_artifacts" { id: String } -> Vec<ArtifactInfo>;
+    /// A sandbox's artifacts.
+    Artifacts "artifacts" { id: String } -> Vec<ArtifactInfo>;
+    /// The host path of one artifact.
+    ArtifactPath "artifact_path" { id: String, path: String } -> PathBuf;
+    /// A sandbox's network: policy, ports, counters.
+    GetNetwork "network" { id: String } -> NetworkInfo;
+    /// Changes a sandbox's network policy.
+    SetNetwork "set_network" { id: String, policy: NetworkPolicy } -> NetworkInfo;
+    /// Exposes a guest port.
+    Expose "expose" { id: String, port: u16, public: bool } -> NetworkInfo;
+    /// Closes an exposed port.
+    Unexpose "unexpose" { id: String, port: u16 } -> NetworkInfo;
+    /// The exposed port `port`, if it is.
+    Exposed "exposed" { id: String, port: u16 } -> Option<ExposedPort>;
+}
+
+fn missing(call: &str, what: &str) -> RuntimeError {
+    RuntimeError::Internal(format!("{call}: the caller gave no {what}"))
+}
+
+impl Handler for Runtime {
+    fn handle(&self, req: Request, io: Io<'_>) -> Result<Reply, RuntimeError> {
+        let name = req.name();
+        let t0 = Instant::now();
+        let r = self.dispatch(req, io);
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        self.count_call(name, ms, r.is_ok());
+        tracing::debug!(call = name, ms, ok = r.is_ok(), "call");
+        r
+    }
+}
+
+impl Runtime {
+    /// Sends one call through [`Runtime::handle`] and takes its typed reply.
+    pub fn call<C: Call>(&self, call: C, io: Io<'_>) -> Result<C::Reply, RuntimeError> {
+        call_dyn(self, call, io)
+    }
+
+    /// The one dispatch of every [`Request`] to the method that does it.
+    fn dispatch(&self, req: Request, io: Io<'_>) -> Result<Reply, RuntimeError> {
+        let Io {
+            events,
+            input,
+            output,
+            progress,
+        } = io;
+        let mut no_events = |_: &EventKind| true;
+        let events: &mut dyn FnMut(&EventKind) -> bool = match events {
+            Some(f) => f,
+            None => &mut no_events,
+        };
+        Ok(match req {
+            Request::ListTemplates(ListTemplates {}) => Reply::ListTemplates(
+                Template::list()?
+                    .into_iter()
+                    .map(|(name, t)| TemplateSummary::of(name, &t))
+                    .collect(),
+            ),
+            Request::BuildTemplate(BuildTemplate { name, rebuild }) => {
+                let opts = BuildOptions {
+                    rebuild,
+                    ..Default::default()
+                };
+                let mut quiet = |_: BuildEvent| {};
+                let progress: &mut dyn FnMut(BuildEvent) = match progress {
+                    Some(f) => f,
+                    None => &mut quiet,
+                };
+                let t = Template::build(&name, &opts, progress)?;
+                Reply::BuildTemplate(TemplateSummary::of(Some(name), &t))
+            }
+            Request::Create(Create { req }) => Reply::Create(self.create(&req)?),
+            Request::List(List { filter }) => Reply::List(self.list(&filter)?),
+            Request::Get(Get { id }) => Reply::Get(self.get(&id)?),
+            Request::Kill(Kill { id }) => Reply::Kill(self.kill(&id)?),
+            Request::Pause(Pause { id }) => Reply::Pause(self.pause(&id)?),
+            Request::Resume(Resume { id }) => Reply::Resume(self.resume(&id)?),
+            Request::SetTimeout(SetTimeout {
+                id,
+                secs,
+                on_timeout,
+            }) => Reply::SetTimeout(self.set_timeout(&id, secs, on_timeout)?),
+            Request::TakeSnapshot(TakeSnapshot { id, req }) => {
+                Reply::TakeSnapshot(self.snapshot(&id, &req)?)
+            }
+            Request::ListSnapshots(ListSnapshots {}) => Reply::ListSnapshots(self.snapshots()?),
+            Request::DeleteSnapshot(DeleteSnapshot { name }) => {
+                Reply::DeleteSnapshot(self.delete_snapshot(&name)?)
+            }
+            Request::Fork(Fork { id, req }) => Reply::Fork(self.fork(&id, &req)?),
+            Request::History(History { id }) => Reply::History(self.history(&id)?),
+            Request::Audit(Audit { filter }) => Reply::Audit(self.audit(&filter)?),
+            Request::GetMetrics(GetMetrics {}) => Reply::GetMetrics(self.metrics()),
+            Request::GetUsage(GetUsage { id }) => Reply::GetUsage(self.usage(&id)?),
+            Request::ContextCreate(ContextCreate { id, language, cwd }) => {
+                Reply::ContextCreate(self.context_create(&id, &language, cwd.as_deref())?)
+            }
+            Request::ContextList(ContextList { id }) => Reply::ContextList(self.context_list(&id)?),
+            Request::ContextRestart(ContextRestart { id, context }) => {
+                Reply::ContextRestart(self.context_restart(&id, &context)?)
+            }
+            Request::ContextRemove(ContextRemove { id, context }) => {
+                Reply::ContextRemove(self.context_remove(&id, &context)?)
+            }
+            Request::Interrupt(Interrupt { id, context }) => {
+                Reply::Interrupt(self.interrupt(&id, &context)?)
+            }
+            Request::ProcessSignal(ProcessSignal { id, pid, signal }) => {
+                Reply::ProcessSignal(self.process_signal(&id, pid, signal)?)
+            }
+            Request::RunCode(RunCode { id, req }) => {
+                Reply::RunCode(self.run_code(&id, &req, events)?)
+            }
+            Request::Exec(Exec { id, req }) => Reply::Exec(self.exec(&id, &req, events)?),
+            Request::WriteFile(WriteFile { id, path }) => {
+                let input = input.ok_or_else(|| missing("write_file", "bytes to write"))?;
+                Reply::WriteFile(self.write_file(&id, &path, input)?)
+            }
+            Request::ReadFile(ReadFile { id, path }) => {
+                let output = output.ok_or_else(|| missing("read_file", "place for the bytes"))?;
+                Reply::ReadFile(self.read_file(&id, &path, output)?)
+            }
+            Request::ListFiles(ListFiles { id, path, depth }) => {
+                Reply::ListFiles(self.list_files(&id, &path, depth)?)
+            }
+            Request::Stat(Stat { id, path }) => Reply::Stat(self.stat(&id, &path)?),
+            Request::Mkdir(Mkdir { id, path }) => Reply::Mkdir(self.mkdir(&id, &path)?),
+            Request::Remove(Remove {
+                id,
+                path,
+                recursive,
+            }) => Reply::Remove(self.remove(&id, &path, recursive)?),
+            Request::Rename(Rename { id, from, to }) => {
+                Reply::Rename(self.rename(&id, &from, &to)?)
+            }
+            Request::CollectArtifacts(CollectArtifacts { id }) => {
+                Reply::CollectArtifacts(self.collect_artifacts(&id)?)
+            }
+            Request::Artifacts(Artifacts { id }) => Reply::Artifacts(self.artifacts(&id)?),
+            Request::ArtifactPath(ArtifactPath { id, path }) => {
+                Reply::ArtifactPath(self.artifact_path(&id, &path)?)
+            }
+            Request::GetNetwork(GetNetwork { id }) => Reply::GetNetwork(self.network(&id)?),
+            Request::SetNetwork(SetNetwork { id, policy }) => {
+                Reply::SetNetwork(self.set_network(&id, &policy)?)
+            }
+            Request::Expose(Expose { id, port, public }) => {
+                Reply::Expose(self.expose(&id, port, public)?)
+            }
+            Request::Unexpose(Unexpose { id, port }) => Reply::Unexpose(self.unexpose(&id, port)?),
+            Request::Exposed(Exposed { id, port }) => Reply::Exposed(self.exposed(&id, port)?),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_through_json_with_their_name_as_tag() {
+        let reqs: Vec<Request> = vec![
+            Get { id: "sb1".into() }.into(),
+            ListTemplates {}.into(),
+            SetTimeout {
+                id: "sb1".into(),
+                secs: 60,
+                on_timeout: Some(OnTimeout::Pause),
+            }
+            .into(),
+            RunCode {
+                id: "sb1".into(),
+                req: RunCodeRequest {
+                    code: "1 + 1".into(),
+                    ..Default::default()
+                },
+            }
+            .into(),
+        ];
+        for r in reqs {
+            let text = serde_json::to_string(&r).unwrap();
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(v["call"], r.name(), "{text}");
+            let back: Request = serde_json::from_str(&text).unwrap();
+            assert_eq!(back, r);
+        }
+    }
+
+    #[test]
+    fn a_reply_of_another_call_is_refused_not_misread() {
+        struct Wrong;
+        impl Handler for Wrong {
+            fn handle(&self, _: Request, _: Io<'_>) -> Result<Reply, RuntimeError> {
+                Ok(Reply::ListSnapshots(vec![]))
+            }
+        }
+        let e = call_dyn(&Wrong, Get { id: "x".into() }, Io::none()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("get: the handler answered another call"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn names_are_unique() {
+        let mut names = Request::NAMES.to_vec();
+        names.sort_unstable();
+        let n = names.len();
+        names.dedup();
+        assert_eq!(names.len(), n, "{names:?}");
+    }
+}
