@@ -83,13 +83,28 @@ fn free_port() -> u16 {
 
 impl Server {
     fn start(home: &Path) -> Server {
-        let port = free_port();
-        let tls_port = free_port();
-        let log = std::fs::File::create(home.join("serve.log")).expect("serve.log");
+        let (port, tls_port) = (free_port(), free_port());
+        let child = Server::spawn(home, port, tls_port, None);
+        let mut s = Server {
+            child,
+            home: home.to_path_buf(),
+            url: format!("http://127.0.0.1:{port}"),
+            tls_port,
+        };
+        s.wait_ready();
+        s
+    }
+
+    fn spawn(home: &Path, port: u16, tls_port: u16, log_name: Option<&str>) -> std::process::Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(home.join(log_name.unwrap_or("serve.log")))
+            .expect("serve.log");
         let listen = format!("127.0.0.1:{port}");
         let tls_listen = format!("127.0.0.1:{tls_port}");
         let domain = format!("e2b.localhost:{tls_port}");
-        let child = Command::new(bin("ember"))
+        Command::new(bin("ember"))
             .args(["serve", "--listen", &listen])
             .args(["--tls-listen", &tls_listen, "--domain", &domain])
             .env("EMBER_HOME", home)
@@ -99,30 +114,49 @@ impl Server {
             .stdout(log.try_clone().expect("log"))
             .stderr(log)
             .spawn()
-            .expect("start ember serve");
-        let mut s = Server {
-            child,
-            home: home.to_path_buf(),
-            url: format!("http://{listen}"),
-            tls_port,
-        };
+            .expect("start ember serve")
+    }
+
+    fn wait_ready(&mut self) {
+        let tls_listen = format!("127.0.0.1:{}", self.tls_port);
         let t0 = Instant::now();
         loop {
-            let plain = ureq::get(&format!("{}/healthz", s.url)).call().is_ok();
+            let plain = ureq::get(&format!("{}/healthz", self.url)).call().is_ok();
             let tls = std::net::TcpStream::connect(&tls_listen).is_ok();
             if plain && tls {
-                return s;
+                return;
             }
-            if let Ok(Some(st)) = s.child.try_wait() {
-                panic!("ember serve exited ({st}):\n{}", s.log_tail(100));
+            if let Ok(Some(st)) = self.child.try_wait() {
+                panic!("ember serve exited ({st}):\n{}", self.log_tail(100));
             }
             assert!(
                 t0.elapsed() < Duration::from_secs(60),
                 "ember serve not up after 60 s (plain {plain}, TLS {tls}):\n{}",
-                s.log_tail(100)
+                self.log_tail(100)
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Stops the server gracefully (SIGTERM: its sandboxes keep running) and starts it again
+    /// on the same home and ports.
+    fn restart(&mut self) {
+        // SAFETY: kill(2) with the server's pid and SIGTERM; no memory is involved.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let st = self.child.wait().expect("wait for ember serve");
+        assert!(
+            st.success(),
+            "ember serve stopped with {st}:\n{}",
+            self.log_tail(50)
+        );
+        let port: u16 = self
+            .url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("port");
+        self.child = Server::spawn(&self.home, port, self.tls_port, None);
+        self.wait_ready();
     }
 
     fn token(&self) -> String {
@@ -488,4 +522,52 @@ fn e2b_sdks_work_unchanged_against_ember_serve() {
                 .join(", ")
         );
     }
+}
+
+/// A background process started through the E2B Python SDK (with a tag, through envd's
+/// `process.Start`) keeps its tag and command across a graceful restart of `ember serve`, and
+/// the SDK re-attaches to it afterwards: processes' records are the runtime's (in its store),
+/// not the E2B adapter's.
+#[test]
+fn e2b_process_tag_and_attach_survive_a_server_restart() {
+    const NAME: &str = "e2b_process_tag_and_attach_survive_a_server_restart";
+    let sdks = find_sdks();
+    let python = match &sdks.python {
+        Ok(p) => p.clone(),
+        Err(why) => {
+            ember_tests::skip(NAME, why);
+            return;
+        }
+    };
+    template("default");
+    let home = tempfile::Builder::new()
+        .prefix("ember-e2b-restart-")
+        .tempdir()
+        .expect("temp home");
+    let mut srv = Server::start(home.path());
+    let env = vec![
+        ("E2B_API_KEY", srv.token()),
+        ("E2B_API_URL", srv.url.clone()),
+        ("E2B_SANDBOX_URL", srv.url.clone()),
+    ];
+    let script = e2b_dir().join("test_restart.py");
+    let mut cmd = Command::new(&python);
+    cmd.arg(&script).arg("start");
+    let run = run_script("restart: start", cmd, &env, Duration::from_secs(180));
+    assert!(run.ok, "{}\n{}", run.output, srv.log_tail(100));
+    let line = run
+        .output
+        .lines()
+        .find(|l| l.starts_with("sandbox "))
+        .unwrap_or_else(|| panic!("no `sandbox ID pid PID` line:\n{}", run.output));
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let (id, pid) = (words[1].to_string(), words[3].to_string());
+
+    srv.restart();
+
+    let mut cmd = Command::new(&python);
+    cmd.arg(&script).args(["after", &id, &pid]);
+    let run = run_script("restart: after", cmd, &env, Duration::from_secs(180));
+    assert!(run.ok, "{}\n{}", run.output, srv.log_tail(100));
+    assert!(run.output.contains("ok re-attached"), "{}", run.output);
 }

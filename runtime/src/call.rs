@@ -35,8 +35,8 @@ pub use ember_agent::protocol::{
 use crate::template::{BuildEvent, BuildOptions, Template};
 use crate::{
     ArtifactInfo, AuditFilter, AuditRecord, CreateRequest, ExposedPort, ForkRequest, ListFilter,
-    Metrics, NetworkInfo, NetworkPolicy, OnTimeout, RunEnd, Runtime, RuntimeError, SandboxInfo,
-    SnapshotInfo, SnapshotRequest, TemplateSummary, Transition, Usage,
+    Metrics, NetworkInfo, NetworkPolicy, OnTimeout, ProcessRecord, RunEnd, Runtime, RuntimeError,
+    SandboxInfo, SnapshotInfo, SnapshotRequest, TemplateSummary, Transition, Usage,
 };
 
 /// One call: its arguments (the struct), its reply type and its name (as audited and timed).
@@ -228,6 +228,13 @@ calls! {
     RunCode "run_code" { id: String, req: RunCodeRequest } -> RunEnd;
     /// Runs a program; events through [`Io::events`].
     Exec "exec" { id: String, req: ExecRequest } -> EndStatus;
+    /// Records a background process the caller started (its tag and description).
+    ProcessRemember "process_remember" { id: String, process: ProcessRecord } -> ();
+    /// The recorded processes of a sandbox, oldest first; with `running`, those not in it
+    /// are forgotten first.
+    ProcessRecords "process_records" { id: String, running: Option<Vec<u32>> } -> Vec<ProcessRecord>;
+    /// Forgets one recorded process, or (no pid) all of a sandbox's.
+    ProcessForget "process_forget" { id: String, pid: Option<u32> } -> ();
     /// Writes a guest file from [`Io::input`]; answers the bytes written.
     WriteFile "write_file" { id: String, path: String } -> u64;
     /// Reads a guest file into [`Io::output`]; answers the bytes read.
@@ -358,6 +365,15 @@ impl Runtime {
                 Reply::RunCode(self.run_code(&id, &req, events)?)
             }
             Request::Exec(Exec { id, req }) => Reply::Exec(self.exec(&id, &req, events)?),
+            Request::ProcessRemember(ProcessRemember { id, process }) => {
+                Reply::ProcessRemember(self.remember_process(&id, process)?)
+            }
+            Request::ProcessRecords(ProcessRecords { id, running }) => {
+                Reply::ProcessRecords(self.process_records(&id, running.as_deref())?)
+            }
+            Request::ProcessForget(ProcessForget { id, pid }) => {
+                Reply::ProcessForget(self.forget_processes(&id, pid)?)
+            }
             Request::WriteFile(WriteFile { id, path }) => {
                 let input = input.ok_or_else(|| missing("write_file", "bytes to write"))?;
                 Reply::WriteFile(self.write_file(&id, &path, input)?)

@@ -26,6 +26,7 @@ pub mod jail;
 pub mod netpolicy;
 pub mod paths;
 pub mod pool;
+pub mod processes;
 pub mod sandbox;
 pub mod store;
 pub mod template;

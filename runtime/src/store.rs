@@ -14,8 +14,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::types::{
-    ArtifactInfo, AuditFilter, AuditRecord, OnTimeout, Resources, SandboxInfo, SnapshotInfo, State,
-    Transition,
+    ArtifactInfo, AuditFilter, AuditRecord, OnTimeout, ProcessRecord, Resources, SandboxInfo,
+    SnapshotInfo, State, Transition,
 };
 
 /// Version of the schema below.
@@ -85,6 +85,16 @@ CREATE TABLE IF NOT EXISTS snapshots (
     dir TEXT NOT NULL,
     created_ms INTEGER NOT NULL,
     bytes INTEGER NOT NULL
+);
+-- Background processes as their callers started them (crate::processes). A table of its own
+-- that older servers ignore: no schema version change.
+CREATE TABLE IF NOT EXISTS processes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    sandbox TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    tag TEXT,
+    config TEXT NOT NULL,
+    UNIQUE (sandbox, pid)
 );
 ";
 
@@ -592,9 +602,55 @@ impl Store {
         rows.collect()
     }
 
+    /// Records (or replaces) a background process of `sandbox`; past `cap` processes in all,
+    /// the oldest records go.
+    pub fn put_process(&self, sandbox: &str, p: &ProcessRecord, cap: usize) -> StoreResult<()> {
+        let config = p.config.to_string();
+        self.conn.execute(
+            "INSERT OR REPLACE INTO processes (sandbox, pid, tag, config) VALUES (?1, ?2, ?3, ?4)",
+            params![sandbox, p.pid, p.tag, config],
+        )?;
+        self.conn.execute(
+            "DELETE FROM processes WHERE seq NOT IN \
+             (SELECT seq FROM processes ORDER BY seq DESC LIMIT ?1)",
+            params![cap as i64],
+        )?;
+        Ok(())
+    }
+
+    /// The background processes recorded for `sandbox`, oldest first.
+    pub fn processes(&self, sandbox: &str) -> StoreResult<Vec<ProcessRecord>> {
+        let mut st = self
+            .conn
+            .prepare("SELECT pid, tag, config FROM processes WHERE sandbox = ?1 ORDER BY seq")?;
+        let rows = st.query_map(params![sandbox], |r| {
+            let config: String = r.get(2)?;
+            Ok(ProcessRecord {
+                pid: r.get(0)?,
+                tag: r.get(1)?,
+                config: serde_json::from_str(&config).unwrap_or(serde_json::Value::Null),
+            })
+        })?;
+        rows.collect()
+    }
+
+    /// Forgets process `pid` of `sandbox`, or all of its processes.
+    pub fn forget_processes(&self, sandbox: &str, pid: Option<u32>) -> StoreResult<()> {
+        match pid {
+            Some(pid) => self.conn.execute(
+                "DELETE FROM processes WHERE sandbox = ?1 AND pid = ?2",
+                params![sandbox, pid],
+            )?,
+            None => self
+                .conn
+                .execute("DELETE FROM processes WHERE sandbox = ?1", params![sandbox])?,
+        };
+        Ok(())
+    }
+
     /// Deletes every record of a sandbox (after retention).
     pub fn purge_sandbox(&self, id: &str) -> StoreResult<()> {
-        for table in ["transitions", "artifacts"] {
+        for table in ["transitions", "artifacts", "processes"] {
             self.conn.execute(
                 &format!("DELETE FROM {table} WHERE sandbox = ?1"),
                 params![id],

@@ -439,6 +439,19 @@ impl Histogram {
     }
 }
 
+/// A background process as its caller started it (`crate::processes`): its pid, the tag it
+/// was given and the caller's own description of it (E2B's process config), kept by the
+/// runtime so that a server restart loses neither.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProcessRecord {
+    /// The guest pid.
+    pub pid: u32,
+    /// The caller's tag, if it gave one.
+    pub tag: Option<String>,
+    /// The caller's description (opaque to the runtime).
+    pub config: serde_json::Value,
+}
+
 /// One call's counters on the call surface (`Runtime::call_counts`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct CallStats {

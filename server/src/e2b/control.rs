@@ -484,7 +484,12 @@ async fn kill(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<Stat
     // Open attaches and watches hold call slots; end them first.
     st.rpc.forget_sandbox(&id);
     call(&st, move |b| {
-        b.call(call::Kill { id: id.to_string() }, Io::none())
+        let info = b.call(call::Kill { id: id.to_string() }, Io::none())?;
+        // Its processes went with it (a record left behind goes with its retention).
+        if let Err(e) = b.call(call::ProcessForget { id, pid: None }, Io::none()) {
+            tracing::debug!("forgetting a killed sandbox's processes: {e}");
+        }
+        Ok(info)
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)

@@ -33,14 +33,14 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::connect::{self, pj, Code, ConnectError};
-use super::{agent, fail, rt_error, spawn_long, Abort, AbortOnDrop, E2bState, ProcEntry};
+use super::{agent, fail, rt_error, spawn_long, Abort, AbortOnDrop, E2bState};
 use crate::backend::with_sandbox;
 use crate::Backend;
 use ember_agent::client::ClientError;
 use ember_agent::protocol::{
     self, Call, EndStatus, EventKind, ExecRequest, ExitStatus, PidRequest, PtySize,
 };
-use ember_runtime::RuntimeError;
+use ember_runtime::{ProcessRecord, RuntimeError};
 
 /// Longest an attach may last (the agent client needs a deadline).
 const ATTACH_LIMIT: Duration = Duration::from_secs(30 * 24 * 3600);
@@ -341,7 +341,7 @@ async fn unary(st: &E2bState, id: &str, method: &str, req: Request) -> Result<Va
             }
             "SendInput" => {
                 let m: SendInputRequest = connect::read_unary(body).await?;
-                let pid = select(st, id, m.process.as_ref())?;
+                let pid = select(st, id, m.process.as_ref()).await?;
                 let data = m.input.map(InputMsg::bytes).unwrap_or_default();
                 let args = json!({"pid": pid, "bytes": data.len()});
                 agent(st, id, "e2b_send_input", args, move |sb| {
@@ -352,7 +352,7 @@ async fn unary(st: &E2bState, id: &str, method: &str, req: Request) -> Result<Va
             }
             "SendSignal" => {
                 let m: SendSignalRequest = connect::read_unary(body).await?;
-                let pid = select(st, id, m.process.as_ref())?;
+                let pid = select(st, id, m.process.as_ref()).await?;
                 let sig = m.signal;
                 if sig != 9 && sig != 15 {
                     return Err(ConnectError::invalid(format!(
@@ -368,7 +368,7 @@ async fn unary(st: &E2bState, id: &str, method: &str, req: Request) -> Result<Va
             }
             "CloseStdin" => {
                 let m: SelectorRequest = connect::read_unary(body).await?;
-                let pid = select(st, id, m.process.as_ref())?;
+                let pid = select(st, id, m.process.as_ref()).await?;
                 agent(st, id, "e2b_close_stdin", json!({"pid": pid}), move |sb| {
                     Ok(sb.stdin_close(pid as i32)?)
                 })
@@ -377,7 +377,7 @@ async fn unary(st: &E2bState, id: &str, method: &str, req: Request) -> Result<Va
             }
             "Update" => {
                 let m: UpdateRequest = connect::read_unary(body).await?;
-                let pid = select(st, id, m.process.as_ref())?;
+                let pid = select(st, id, m.process.as_ref()).await?;
                 if let Some(pty) = m.pty {
                     let size = pty.size()?;
                     let args = json!({"pid": pid, "cols": size.cols, "rows": size.rows});
@@ -395,17 +395,53 @@ async fn unary(st: &E2bState, id: &str, method: &str, req: Request) -> Result<Va
 }
 
 /// The pid a selector names.
-fn select(st: &E2bState, id: &str, sel: Option<&Selector>) -> Result<u32, ConnectError> {
+async fn select(st: &E2bState, id: &str, sel: Option<&Selector>) -> Result<u32, ConnectError> {
     match sel {
         Some(Selector { pid: Some(pid), .. }) => Ok(*pid),
-        Some(Selector { tag: Some(tag), .. }) => st
-            .rpc
-            .pid_by_tag(id, tag)
-            .ok_or_else(|| ConnectError::not_found(format!("process with tag {tag} not found"))),
+        Some(Selector { tag: Some(tag), .. }) => {
+            let records = records(st, id, None).await?;
+            newest_tagged(&records, tag)
+                .ok_or_else(|| ConnectError::not_found(format!("process with tag {tag} not found")))
+        }
         _ => Err(ConnectError::invalid(
             "the process selector names no pid or tag",
         )),
     }
+}
+
+/// The pid of the newest process tagged `tag` (records are oldest first).
+fn newest_tagged(records: &[ProcessRecord], tag: &str) -> Option<u32> {
+    records
+        .iter()
+        .rev()
+        .find(|r| r.tag.as_deref() == Some(tag))
+        .map(|r| r.pid)
+}
+
+/// The runtime's records of `id`'s processes (see `ProcessRecords`).
+async fn records(
+    st: &E2bState,
+    id: &str,
+    running: Option<Vec<u32>>,
+) -> Result<Vec<ProcessRecord>, ConnectError> {
+    let id = id.to_string();
+    st.app
+        .call(move |b| b.call(call::ProcessRecords { id, running }, Io::none()))
+        .await
+        .map_err(|e| ConnectError::internal(format!("the process registry: {}", e.message)))
+}
+
+/// Forgets process `pid` of `id` in the runtime's registry, in the background.
+fn forget(st: &E2bState, id: &str, pid: u32) {
+    let id = id.to_string();
+    let job = st
+        .app
+        .spawn(move |b| b.call(call::ProcessForget { id, pid: Some(pid) }, Io::none()));
+    tokio::spawn(async move {
+        if let Ok(Err(e)) = job.await {
+            tracing::debug!("forgetting a process record: {e}");
+        }
+    });
 }
 
 async fn list(st: &E2bState, id: &str) -> Result<Value, ConnectError> {
@@ -416,13 +452,17 @@ async fn list(st: &E2bState, id: &str) -> Result<Value, ConnectError> {
     let running: Vec<&protocol::ProcessInfo> =
         procs.iter().filter(|p| p.running && p.background).collect();
     let pids: Vec<u32> = running.iter().map(|p| p.pid as u32).collect();
-    st.rpc.retain_procs(id, &pids);
+    let records = records(st, id, Some(pids)).await?;
     let out: Vec<Value> = running
         .iter()
         .map(|p| {
             let pid = p.pid as u32;
-            let (config, tag) = match st.rpc.proc(id, pid) {
-                Some(e) => (e.config, e.tag),
+            let known = records.iter().find(|r| r.pid == pid).and_then(|r| {
+                let config = serde_json::from_value::<ProcessConfig>(r.config.clone()).ok()?;
+                Some((config, r.tag.clone()))
+            });
+            let (config, tag) = match known {
+                Some(k) => k,
                 None => {
                     let mut argv = p.argv.clone().into_iter();
                     let cfg = ProcessConfig {
@@ -527,15 +567,31 @@ async fn start_inner(st: &E2bState, id: &str, req: Request) -> Result<Response, 
     };
     let pid = u32::try_from(pid)
         .map_err(|_| ConnectError::internal(format!("the agent answered pid {pid}")))?;
-    st.rpc.add_proc(
-        id,
+    let record = ProcessRecord {
         pid,
-        ProcEntry {
-            config,
-            tag: msg.tag,
-            seq: 0,
-        },
-    );
+        tag: msg.tag,
+        config: config.to_json(),
+    };
+    let sid = id.to_string();
+    let remembered = st
+        .app
+        .call(move |b| {
+            b.call(
+                call::ProcessRemember {
+                    id: sid,
+                    process: record,
+                },
+                Io::none(),
+            )
+        })
+        .await;
+    if let Err(e) = remembered {
+        // The process runs; only its tag and config are not kept.
+        tracing::warn!(
+            "sandbox {id}: process {pid} started but not recorded: {}",
+            e.message
+        );
+    }
     attach_stream(st, id, pid, pty.is_some(), deadline, keepalive, true)
 }
 
@@ -553,7 +609,7 @@ async fn connect_inner(st: &E2bState, id: &str, req: Request) -> Result<Response
     let deadline = connect::timeout(&parts.headers)?;
     let keepalive = connect::keepalive(&parts.headers);
     let msg: SelectorRequest = connect::read_stream_request(body).await?;
-    let pid = select(st, id, msg.process.as_ref())?;
+    let pid = select(st, id, msg.process.as_ref()).await?;
     // Check that it runs (so that an unknown pid fails before the `start` event).
     let procs = agent(st, id, "e2b_process_list", json!({}), |sb| {
         Ok(sb.process_list()?)
@@ -563,7 +619,7 @@ async fn connect_inner(st: &E2bState, id: &str, req: Request) -> Result<Response
         .iter()
         .find(|p| p.pid as u32 == pid && p.background && p.running)
     else {
-        st.rpc.remove_proc(id, pid);
+        forget(st, id, pid);
         return Err(ConnectError::not_found(format!(
             "process with pid {pid} not found"
         )));
@@ -734,7 +790,7 @@ impl Pump {
     async fn finish(&self, r: Result<(EndStatus, Option<ExitStatus>), RuntimeError>) {
         let frames = match r {
             Ok((EndStatus::TimedOut, _)) => {
-                self.st.rpc.remove_proc(&self.id, self.pid);
+                forget(&self.st, &self.id, self.pid);
                 let e = ConnectError::new(
                     Code::DeadlineExceeded,
                     "the process ran longer than the request's timeout",
@@ -742,7 +798,7 @@ impl Pump {
                 vec![connect::end_frame(Some(&e))]
             }
             Ok((_, exit)) => {
-                self.st.rpc.remove_proc(&self.id, self.pid);
+                forget(&self.st, &self.id, self.pid);
                 vec![event(end_event_json(exit)), connect::end_frame(None)]
             }
             Err(e) => {
@@ -805,7 +861,7 @@ async fn stream_input_inner(st: &E2bState, id: &str, req: Request) -> Result<(),
                 "the first message of an input stream must be `start`",
             ));
         };
-        let pid = select(st, id, start.process.as_ref())?;
+        let pid = select(st, id, start.process.as_ref()).await?;
         let (dtx, mut drx) = mpsc::channel::<Vec<u8>>(8);
         let sid = id.to_string();
         let job = st.app.spawn(move |b| {

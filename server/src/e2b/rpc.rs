@@ -23,7 +23,7 @@ pub mod filesystem;
 #[path = "process.rs"]
 pub mod process;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -39,9 +39,6 @@ use connect::{Code, ConnectError};
 use ember_agent::protocol::{ErrorCode, ExecUser};
 use ember_runtime::RuntimeError;
 
-/// Most processes remembered (configs and tags) over all sandboxes; the oldest are forgotten
-/// beyond it.
-pub const MAX_PROCESSES: usize = 4096;
 /// Most polling watchers per sandbox.
 pub const MAX_WATCHERS_PER_SANDBOX: usize = 64;
 /// Most events a polling watcher buffers between two `GetWatcherEvents`; older ones are
@@ -50,96 +47,20 @@ pub const MAX_WATCHER_EVENTS: usize = 10_000;
 /// Most long-lived agent calls (attaches, watches) at once, server-wide.
 pub const MAX_LONG_CALLS: usize = 1024;
 
-/// Per-server state of the RPC services: processes' configs and tags, polling watchers.
+/// Per-server state of the RPC services: polling watchers and the aborts of open streams.
+/// Processes' configs and tags are the runtime's (`ember_runtime::processes`), so a server
+/// restart keeps them.
 #[derive(Debug, Default)]
 pub struct RpcState {
-    procs: Mutex<Procs>,
     watchers: Mutex<HashMap<String, Arc<filesystem::Watcher>>>,
     streams: Mutex<Vec<(String, std::sync::Weak<Abort>)>>,
     long_calls: Arc<AtomicUsize>,
 }
 
-/// What `Start` was asked, kept for `List` and tag lookups.
-#[derive(Debug, Clone)]
-pub(crate) struct ProcEntry {
-    pub(crate) config: process::ProcessConfig,
-    pub(crate) tag: Option<String>,
-    seq: u64,
-}
-
-#[derive(Debug, Default)]
-struct Procs {
-    by_pid: HashMap<(String, u32), ProcEntry>,
-    order: VecDeque<(u64, String, u32)>,
-    seq: u64,
-}
-
 impl RpcState {
-    pub(crate) fn add_proc(&self, sandbox: &str, pid: u32, mut entry: ProcEntry) {
-        let mut p = lock(&self.procs);
-        p.seq += 1;
-        entry.seq = p.seq;
-        let seq = p.seq;
-        p.by_pid.insert((sandbox.to_string(), pid), entry);
-        p.order.push_back((seq, sandbox.to_string(), pid));
-        while p.by_pid.len() > MAX_PROCESSES {
-            let Some((seq, sb, pid)) = p.order.pop_front() else {
-                break;
-            };
-            let key = (sb, pid);
-            if p.by_pid.get(&key).is_some_and(|e| e.seq == seq) {
-                p.by_pid.remove(&key);
-            }
-        }
-        // Keep the order queue from growing with stale entries.
-        if p.order.len() > 2 * MAX_PROCESSES {
-            let live: VecDeque<_> = p
-                .order
-                .iter()
-                .filter(|(seq, sb, pid)| {
-                    p.by_pid
-                        .get(&(sb.clone(), *pid))
-                        .is_some_and(|e| e.seq == *seq)
-                })
-                .cloned()
-                .collect();
-            p.order = live;
-        }
-    }
-
-    pub(crate) fn proc(&self, sandbox: &str, pid: u32) -> Option<ProcEntry> {
-        lock(&self.procs)
-            .by_pid
-            .get(&(sandbox.to_string(), pid))
-            .cloned()
-    }
-
-    pub(crate) fn remove_proc(&self, sandbox: &str, pid: u32) {
-        lock(&self.procs).by_pid.remove(&(sandbox.to_string(), pid));
-    }
-
-    /// The pid of the newest process of `sandbox` tagged `tag`.
-    pub(crate) fn pid_by_tag(&self, sandbox: &str, tag: &str) -> Option<u32> {
-        lock(&self.procs)
-            .by_pid
-            .iter()
-            .filter(|((sb, _), e)| sb == sandbox && e.tag.as_deref() == Some(tag))
-            .max_by_key(|(_, e)| e.seq)
-            .map(|((_, pid), _)| *pid)
-    }
-
-    /// Forgets the processes of `sandbox` that are not in `running`.
-    pub(crate) fn retain_procs(&self, sandbox: &str, running: &[u32]) {
-        lock(&self.procs)
-            .by_pid
-            .retain(|(sb, pid), _| sb != sandbox || running.contains(pid));
-    }
-
-    /// Forgets everything about `sandbox` (its processes' configs and tags) and stops its
-    /// watchers and attached streams' agent calls. For the control plane, before it pauses
-    /// or kills a sandbox.
+    /// Stops `sandbox`'s watchers and attached streams' agent calls. For the control plane,
+    /// before it pauses or kills a sandbox (which also forgets its processes' records).
     pub fn forget_sandbox(&self, sandbox: &str) {
-        lock(&self.procs).by_pid.retain(|(sb, _), _| sb != sandbox);
         let gone: Vec<_> = {
             let mut w = lock(&self.watchers);
             let ids: Vec<String> = w
@@ -654,29 +575,5 @@ mod tests {
             0,
             "the peer sees the shutdown"
         );
-    }
-
-    #[test]
-    fn process_table_is_bounded_and_tag_lookup_takes_the_newest() {
-        let st = RpcState::default();
-        let e = |tag: Option<&str>| ProcEntry {
-            config: process::ProcessConfig::default(),
-            tag: tag.map(str::to_string),
-            seq: 0,
-        };
-        st.add_proc("s", 1, e(Some("t")));
-        st.add_proc("s", 2, e(Some("t")));
-        assert_eq!(st.pid_by_tag("s", "t"), Some(2));
-        assert_eq!(st.pid_by_tag("other", "t"), None);
-        for pid in 10..(10 + MAX_PROCESSES as u32 + 5) {
-            st.add_proc("s", pid, e(None));
-        }
-        assert!(lock(&st.procs).by_pid.len() <= MAX_PROCESSES);
-        assert!(st.proc("s", 1).is_none(), "the oldest went first");
-        st.retain_procs("s", &[100]);
-        assert!(st.proc("s", 100).is_some());
-        assert!(st.proc("s", 101).is_none());
-        st.forget_sandbox("s");
-        assert!(st.proc("s", 100).is_none());
     }
 }
