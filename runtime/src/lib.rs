@@ -500,12 +500,6 @@ impl Runtime {
             lock(&self.inner.uids).remove(&u);
         }
     }
-
-    fn wake_timer(&self) {
-        let (m, cv) = &*self.inner.timer;
-        *lock(m) = true;
-        cv.notify_all();
-    }
 }
 
 impl Drop for Inner {
