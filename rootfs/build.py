@@ -664,7 +664,24 @@ def debootstrap(recipe: dict, tree: Path, work: Path) -> None:
     cmd += [recipe["suite"], str(tree), *mirrors]
     log(f"mmdebstrap {recipe['suite']} ({recipe['variant']}) with {', '.join(packages) or 'no extra packages'}"
         + (f"; pip: {', '.join(recipe['pip'])}" if recipe["pip"] else ""))
-    run(["nice", *cmd])
+    # The archive or a mirror answers 5xx now and then (seen: 503 from the security suite's
+    # InRelease); a retry after a pause is what a person would do. Each try starts from an empty
+    # target: mmdebstrap refuses a non-empty one.
+    for attempt in range(1, DEBOOTSTRAP_TRIES + 1):
+        try:
+            run(["nice", *cmd])
+            return
+        except BuildError as e:
+            if attempt == DEBOOTSTRAP_TRIES:
+                raise
+            pause = 15 * attempt
+            log(f"mmdebstrap failed ({e}); trying again in {pause} s ({attempt}/{DEBOOTSTRAP_TRIES})")
+            time.sleep(pause)
+            remove_tree(tree)
+
+
+# How many times mmdebstrap is tried before a build fails.
+DEBOOTSTRAP_TRIES = 3
 
 
 def host_ca_bundle() -> str | None:
