@@ -21,6 +21,7 @@
 
 pub mod agent_link;
 pub mod call;
+pub mod clock;
 pub mod images;
 pub mod jail;
 pub mod netpolicy;

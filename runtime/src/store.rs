@@ -9,7 +9,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use rusqlite::{params, Connection, OptionalExtension};
 
@@ -101,19 +100,7 @@ CREATE TABLE IF NOT EXISTS processes (
 /// Store errors are SQLite's (plus a refused schema).
 pub type StoreResult<T> = Result<T, rusqlite::Error>;
 
-/// Milliseconds since the Unix epoch.
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
-
-/// RFC 3339 (UTC, milliseconds) of a Unix time in ms.
-pub fn rfc3339(ms: i64) -> String {
-    let t = UNIX_EPOCH + std::time::Duration::from_millis(ms.max(0) as u64);
-    humantime::format_rfc3339_millis(t).to_string()
-}
+pub use crate::clock::{now_ms, rfc3339};
 
 /// One sandbox as stored: the public [`SandboxInfo`] plus what the runtime needs to find its
 /// processes and files again.

@@ -577,7 +577,7 @@ async fn metrics(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<J
         Err(e) => return Err(e),
     };
     Ok(Json(json!([{
-        "timestamp": ember_runtime::store::rfc3339(u.at_ms),
+        "timestamp": ember_runtime::clock::rfc3339(u.at_ms),
         "timestampUnix": u.at_ms / 1000,
         "cpuCount": u.vcpus,
         "cpuUsedPct": u.cpu_used_pct,

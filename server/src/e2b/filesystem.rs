@@ -191,7 +191,7 @@ pub fn entry_json(
     if mtime_ms > 0 {
         m.insert(
             "modifiedTime".into(),
-            json!(ember_runtime::store::rfc3339(mtime_ms)),
+            json!(ember_runtime::clock::rfc3339(mtime_ms)),
         );
     }
     Value::Object(m)

@@ -188,7 +188,7 @@ pub struct Translator {
 impl Translator {
     /// The lines of one event.
     pub fn lines(&mut self, ev: &EventKind) -> Vec<Value> {
-        let now = || ember_runtime::store::rfc3339(ember_runtime::store::now_ms());
+        let now = || ember_runtime::clock::rfc3339(ember_runtime::clock::now_ms());
         let text =
             |kind: &str, text: String| json!({"type": kind, "text": text, "timestamp": now()});
         match ev {

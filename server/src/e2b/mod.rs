@@ -845,3 +845,79 @@ mod tests {
         assert_eq!(&*fake.written.lock().unwrap(), b"multi");
     }
 }
+
+/// What the E2B adapter may reach: the call surface, not the store, and (a ratchet while the
+/// last raw agent calls move into the runtime) the agent protocol and raw sandbox handles
+/// only in the files that still use them.
+#[cfg(test)]
+mod boundaries {
+    const FILES: &[(&str, &str)] = &[
+        ("connect.rs", include_str!("connect.rs")),
+        ("control.rs", include_str!("control.rs")),
+        ("envd.rs", include_str!("envd.rs")),
+        ("filesystem.rs", include_str!("filesystem.rs")),
+        ("interp.rs", include_str!("interp.rs")),
+        ("mod.rs", include_str!("mod.rs")),
+        ("process.rs", include_str!("process.rs")),
+        ("route.rs", include_str!("route.rs")),
+        ("rpc.rs", include_str!("rpc.rs")),
+        ("tls.rs", include_str!("tls.rs")),
+    ];
+    /// Files that still speak the agent protocol or hold a raw `Sandbox`: none may be added.
+    const STILL_RAW: &[&str] = &[
+        "envd.rs",
+        "filesystem.rs",
+        "interp.rs",
+        "process.rs",
+        "rpc.rs",
+    ];
+
+    fn code(text: &str) -> String {
+        // This module names what it looks for; leave it out.
+        let text = text.split("mod boundaries {").next().unwrap_or(text);
+        text.lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    #[test]
+    fn the_e2b_adapter_never_touches_the_store() {
+        for (name, text) in FILES {
+            let code = code(text);
+            for bad in ["ember_runtime::store", "rusqlite", "crate::store"] {
+                assert!(!code.contains(bad), "e2b/{name} uses {bad}");
+            }
+        }
+    }
+
+    #[test]
+    fn no_new_e2b_file_speaks_the_agent_protocol_or_holds_a_sandbox() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/e2b");
+        let on_disk = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .is_ok_and(|e| e.path().extension().is_some_and(|x| x == "rs"))
+            })
+            .count();
+        assert_eq!(
+            on_disk,
+            FILES.len(),
+            "list every file of {} here",
+            dir.display()
+        );
+        for (name, text) in FILES {
+            let code = code(text);
+            let raw = ["ember_agent", "ember_runtime::Sandbox", "with_sandbox"]
+                .iter()
+                .find(|bad| code.contains(**bad));
+            if let Some(bad) = raw {
+                assert!(
+                    STILL_RAW.contains(name),
+                    "e2b/{name} uses {bad}: send a call (ember_runtime::call) instead"
+                );
+            }
+        }
+    }
+}

@@ -189,7 +189,7 @@ pub fn authorized(
     if port == INTERP_PORT {
         return header_is(headers, "e2b-traffic-access-token", &st.traffic_token(id));
     }
-    uri.path() == "/files" && signed(&envd, method, uri, ember_runtime::store::now_ms() / 1000)
+    uri.path() == "/files" && signed(&envd, method, uri, ember_runtime::clock::now_ms() / 1000)
 }
 
 /// The signature of a `/files` URL (`e2b/sandbox/signature.py`): `v1_` + base64 (no
