@@ -587,7 +587,7 @@ pub fn main(cmd: VmCmd) -> ExitCode {
         VmCmd::Stats(a) => vm_control(&a.api_sock, ember_vmm::api::Request::Stats),
         VmCmd::Shutdown(a) => vm_control(&a.api_sock, ember_vmm::api::Request::Shutdown),
         VmCmd::MergeSnapshot { diff, out } => {
-            match ember_vmm::snapshot::merge_snapshot(&diff, &out) {
+            match ember_vmm::persist::merge_snapshot(&diff, &out) {
                 Ok(info) => {
                     println!(
                         "{}",

@@ -227,7 +227,7 @@ pub enum SnapshotDisk {
 /// restore).
 pub fn snapshot_disks(snapshot: &Path) -> Result<Vec<SnapshotDisk>, JailSetupError> {
     let state =
-        ember_vmm::snapshot::load_state(snapshot, &ember_vmm::snapshot::RestoreOptions::default())
+        ember_vmm::persist::load_state(snapshot, &ember_vmm::persist::RestoreOptions::default())
             .map_err(|e| JailSetupError::Snapshot(snapshot.to_path_buf(), e.to_string()))?;
     Ok(state
         .config
@@ -247,7 +247,7 @@ pub fn snapshot_disks(snapshot: &Path) -> Result<Vec<SnapshotDisk>, JailSetupErr
 /// holding their TAPs).
 pub fn snapshot_has_net(snapshot: &Path) -> Result<bool, JailSetupError> {
     let state =
-        ember_vmm::snapshot::load_state(snapshot, &ember_vmm::snapshot::RestoreOptions::default())
+        ember_vmm::persist::load_state(snapshot, &ember_vmm::persist::RestoreOptions::default())
             .map_err(|e| JailSetupError::Snapshot(snapshot.to_path_buf(), e.to_string()))?;
     Ok(!state.config.net.is_empty())
 }

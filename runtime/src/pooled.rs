@@ -102,7 +102,7 @@ impl VmmFiller {
         std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
         let disks = jailed::snapshot_disks(dir).map_err(|e| e.to_string())?;
         let snap =
-            ember_vmm::snapshot::load_state(dir, &ember_vmm::snapshot::RestoreOptions::default())
+            ember_vmm::persist::load_state(dir, &ember_vmm::persist::RestoreOptions::default())
                 .map_err(|e| e.to_string())?;
         let limits = default_limits(cfg, snap.config.mem_mib);
         let net = if snap.config.net.is_empty() {
@@ -235,9 +235,9 @@ fn precopy_overlays(w: &WarmVmm, dir: &Path, uid: u32) -> Result<(), String> {
         let (SnapshotDisk::Overlay { .. }, Some(path)) = (disk, path) else {
             continue;
         };
-        let src = dir.join(ember_vmm::snapshot::overlay_file_name(i));
+        let src = dir.join(ember_vmm::persist::overlay_file_name(i));
         let dst = w.jail.host_path(path);
-        ember_vmm::snapshot::sparse_copy(&src, &dst).map_err(|e| e.to_string())?;
+        ember_vmm::persist::sparse_copy(&src, &dst).map_err(|e| e.to_string())?;
         std::os::unix::fs::chown(&dst, Some(uid), Some(uid))
             .map_err(|e| format!("chown {}: {e}", dst.display()))?;
     }

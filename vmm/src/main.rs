@@ -9,10 +9,11 @@ use clap::Parser;
 use ember_devices::virtio::block::BlockConfig;
 use ember_devices::virtio::net::NetConfig;
 use ember_devices::virtio::vsock::VsockConfig;
+use ember_vmm::builder::{build_boot, build_restore};
 use ember_vmm::cli::{parse_disk, parse_net, parse_size, parse_vsock};
 use ember_vmm::report::{Reporter, StartTime};
 use ember_vmm::rotating_file::RotatingFile;
-use ember_vmm::{CpuProfile, Vm, VmConfig};
+use ember_vmm::{CpuProfile, VmConfig};
 
 /// Boots one microVM in this process.
 #[derive(Debug, Parser)]
@@ -260,7 +261,7 @@ fn wait_and_restore(
     let mut opts = req.options();
     opts.cpu_profile = args.cpu_profile;
     opts.track_dirty_pages |= args.track_dirty_pages;
-    let mut vm = match Vm::restore(&req.dir, &opts, out, reporter.clone(), start) {
+    let mut vm = match build_restore(&req.dir, &opts, out, reporter.clone(), start) {
         Ok(vm) => vm,
         Err(e) => {
             let msg = e.to_string();
@@ -344,7 +345,7 @@ fn main() -> ExitCode {
         Err(e) => return fail(e.to_string()),
     };
     if let [diff, out] = args.merge_snapshot.as_slice() {
-        return match ember_vmm::snapshot::merge_snapshot(diff, out) {
+        return match ember_vmm::persist::merge_snapshot(diff, out) {
             Ok(info) => {
                 println!(
                     "{}",
@@ -392,7 +393,7 @@ fn main() -> ExitCode {
     }
     let built = match &args.restore {
         Some(dir) => {
-            let opts = ember_vmm::snapshot::RestoreOptions {
+            let opts = ember_vmm::persist::RestoreOptions {
                 cpu_profile: args.cpu_profile,
                 track_dirty_pages: args.track_dirty_pages,
                 prefetch: args.prefetch,
@@ -402,10 +403,10 @@ fn main() -> ExitCode {
                 disk_paths: keep_or_path(&args.disk_paths),
                 disk_bases: keep_or_path(&args.disk_bases),
             };
-            Vm::restore(dir, &opts, out, reporter.clone(), start).map_err(|e| e.to_string())
+            build_restore(dir, &opts, out, reporter.clone(), start).map_err(|e| e.to_string())
         }
         None => config(&args).and_then(|cfg| {
-            Vm::build(&cfg, out, reporter.clone(), start).map_err(|e| e.to_string())
+            build_boot(&cfg, out, reporter.clone(), start).map_err(|e| e.to_string())
         }),
     };
     let mut vm = match built {

@@ -234,8 +234,8 @@ impl Drop for IsolatedNetns {
 }
 
 /// The TAP names a snapshot's VM configuration uses (empty: no network device).
-pub fn snapshot_taps(snapshot: &Path) -> Result<Vec<String>, crate::snapshot::SnapshotError> {
-    let state = crate::snapshot::load_state(snapshot, &crate::snapshot::RestoreOptions::default())?;
+pub fn snapshot_taps(snapshot: &Path) -> Result<Vec<String>, crate::persist::SnapshotError> {
+    let state = crate::persist::load_state(snapshot, &crate::persist::RestoreOptions::default())?;
     Ok(state.config.net.iter().map(|n| n.tap.clone()).collect())
 }
 

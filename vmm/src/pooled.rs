@@ -29,7 +29,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::snapshot::RestoreOptions;
+use crate::persist::RestoreOptions;
 use crate::workingset::Prefetch;
 
 /// What to restore and the clone's own paths (the fields of [`RestoreOptions`]).

@@ -1,17 +1,17 @@
-//! Building and running a VM: KVM set-up, memory, kernel, devices, vCPUs, and the event loop
-//! on the calling thread.
+//! The running VM: [`Vm`], assembled by a builder ([`crate::builder`]) from its [`Parts`]; its
+//! vCPU threads and the event loop on the calling thread ([`Vm::run`]), and the control
+//! socket's requests (pause, resume, stats, working set, snapshot, shutdown).
+//!
+//! Dependencies go one way: the builders use this module, never the other way round; a
+//! snapshot request is written by [`crate::persist`] from borrowed parts of the paused VM
+//! (`persist` does not use this module). The configuration types ([`crate::config`]) and
+//! [`VmError`] ([`crate::error`]) are re-exported here, where other crates find them.
 
-use std::path::PathBuf;
 use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex};
 
-use ember_devices::legacy::{BootMarker, SerialOut};
-use ember_devices::virtio::block::{Block, BlockError};
-pub use ember_devices::virtio::block::{BlockConfig as DiskConfig, BlockMode as DiskMode};
-use ember_devices::virtio::block::{BlockConfig, BlockMode};
 use event_manager::{EventOps, Events, MutEventSubscriber, SubscriberOps};
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES};
-use kvm_ioctls::{Cap, Kvm, VmFd};
+use kvm_ioctls::VmFd;
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 use ember_devices::GuestMemoryMmap;
@@ -19,172 +19,13 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::api::{AfterSnapshot, ApiQueue, ApiServer, Request};
-use crate::boot::{self, BootError};
+pub use crate::config::{DiskConfig, DiskMode, NetConfig, VmConfig, VsockConfig, DEFAULT_CMDLINE};
 use crate::cpu::{CpuProfile, HostKvm};
-use crate::device_manager::{DeviceError, DeviceManager, EventLoop, VirtioHandle};
-use crate::memory::{self, MemoryError};
+use crate::device_manager::{DeviceManager, EventLoop};
+pub use crate::error::VmError;
+use crate::persist::SnapshotSource;
 use crate::report::{Reporter, StartTime};
 use crate::vcpu::{self, Vcpu, VcpuExitReason, VcpuHandle};
-pub use ember_devices::virtio::net::NetConfig;
-use ember_devices::virtio::net::{Net, NetError};
-pub use ember_devices::virtio::vsock::VsockConfig;
-use ember_devices::virtio::vsock::{Vsock, VsockError};
-
-/// The kernel command line ember starts from (before the root device, CPU-profile masks,
-/// device entries and user additions).
-///
-/// `rcupdate.rcu_cpu_stall_suppress=1`: a guest whose vCPU the host did not run for a while
-/// (an overcommitted host: hundreds of idle sandboxes while a burst of creates runs) sees an
-/// RCU "stall" that is only the host's scheduling, and prints a warning with a stack dump to
-/// the serial console, each line an exit (and on kvm_pvm ~8 ms of emulated work). Measured
-/// here with 750 idle sandboxes under load: every guest went from idle to printing stall
-/// reports at once, which kept all their vCPUs runnable and the host at load 775.
-pub const DEFAULT_CMDLINE: &str =
-    "console=ttyS0 reboot=k panic=1 pci=off quiet rcupdate.rcu_cpu_stall_suppress=1";
-
-/// What to boot.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct VmConfig {
-    /// Kernel image (ELF vmlinux or bzImage).
-    pub kernel: PathBuf,
-    /// Disks, in order: the first is `/dev/vda` (and the root device when `root` is set).
-    #[serde(default)]
-    pub disks: Vec<BlockConfig>,
-    /// Mount the first disk as the root filesystem.
-    #[serde(default = "yes")]
-    pub root: bool,
-    /// Guest memory in MiB.
-    #[serde(default = "default_mem")]
-    pub mem_mib: u64,
-    /// Number of vCPUs.
-    #[serde(default = "one")]
-    pub vcpus: u8,
-    /// Replaces [`DEFAULT_CMDLINE`].
-    #[serde(default)]
-    pub cmdline: Option<String>,
-    /// Appended after everything ember adds.
-    #[serde(default)]
-    pub cmdline_extra: Vec<String>,
-    /// CPU profile; detected from the host when absent.
-    #[serde(default)]
-    pub cpu_profile: Option<CpuProfile>,
-    /// Network interfaces (TAP-backed virtio-net), `eth0` first.
-    #[serde(default)]
-    pub net: Vec<NetConfig>,
-    /// The vsock device (host side: a Unix socket).
-    #[serde(default)]
-    pub vsock: Option<VsockConfig>,
-    /// Log dirty pages (KVM dirty log + the device-write bitmap) so that diff snapshots can
-    /// be taken. Costs a write-protection fault on the first guest write to each page after
-    /// every snapshot.
-    #[serde(default)]
-    pub track_dirty_pages: bool,
-}
-
-fn yes() -> bool {
-    true
-}
-fn one() -> u8 {
-    1
-}
-fn default_mem() -> u64 {
-    128
-}
-
-impl VmConfig {
-    /// A config booting `kernel` with defaults.
-    pub fn new(kernel: PathBuf) -> Self {
-        Self {
-            kernel,
-            disks: Vec::new(),
-            root: true,
-            mem_mib: default_mem(),
-            vcpus: 1,
-            cmdline: None,
-            cmdline_extra: Vec::new(),
-            cpu_profile: None,
-            net: Vec::new(),
-            vsock: None,
-            track_dirty_pages: false,
-        }
-    }
-}
-
-/// Errors building or running a VM.
-#[derive(Debug, thiserror::Error)]
-pub enum VmError {
-    /// /dev/kvm missing or not accessible.
-    #[error("cannot open /dev/kvm: {0} ({hint})", hint = kvm_hint(.0))]
-    KvmOpen(kvm_ioctls::Error),
-    /// A capability ember relies on is missing.
-    #[error("this host's KVM lacks {0:?}, which ember needs")]
-    MissingCap(Cap),
-    /// A KVM ioctl failed.
-    #[error("KVM {what} failed: {source}")]
-    Kvm {
-        /// The ioctl.
-        what: &'static str,
-        /// Why.
-        source: kvm_ioctls::Error,
-    },
-    /// Bad vCPU count.
-    #[error("{requested} vCPUs requested: must be between 1 and {max} on this host")]
-    VcpuCount {
-        /// Requested.
-        requested: u8,
-        /// Most allowed.
-        max: usize,
-    },
-    /// Guest memory.
-    #[error(transparent)]
-    Memory(#[from] MemoryError),
-    /// Kernel loading.
-    #[error(transparent)]
-    Boot(#[from] BootError),
-    /// MP table.
-    #[error(transparent)]
-    Mptable(#[from] crate::boot::mptable::MptableError),
-    /// vCPU register set-up.
-    #[error(transparent)]
-    Regs(#[from] crate::boot::regs::RegsError),
-    /// Devices.
-    #[error(transparent)]
-    Device(#[from] DeviceError),
-    /// A disk.
-    #[error(transparent)]
-    Block(#[from] BlockError),
-    /// A network interface.
-    #[error(transparent)]
-    Net(#[from] NetError),
-    /// The vsock device.
-    #[error(transparent)]
-    Vsock(#[from] VsockError),
-    /// Seccomp.
-    #[error(transparent)]
-    Seccomp(#[from] crate::seccomp::SeccompError),
-    /// Event loop.
-    #[error("event loop: {0:?}")]
-    EventLoop(event_manager::Error),
-    /// Threads, eventfds, signals.
-    #[error("{what}: {source}")]
-    Os {
-        /// What failed.
-        what: &'static str,
-        /// Why.
-        source: std::io::Error,
-    },
-}
-
-fn kvm_hint(e: &kvm_ioctls::Error) -> &'static str {
-    match e.errno() {
-        libc::ENOENT => "no /dev/kvm: KVM is not available on this host (no kvm module loaded?)",
-        libc::EACCES | libc::EPERM => {
-            "permission denied: run as root or add the user to the group owning /dev/kvm"
-        }
-        _ => "is KVM usable on this host?",
-    }
-}
 
 /// How the VM ended.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -272,32 +113,6 @@ impl std::fmt::Debug for Vm {
 /// is built before them).
 pub type MarkerStats = Arc<std::sync::OnceLock<Arc<crate::kvmstats::KvmStats>>>;
 
-/// The boot-marker callback: logs the first marker and reports every write with its time
-/// and KVM's counters so far (exits, emulated instructions, guest page faults: what a boot
-/// costs, in counts that do not depend on the host's load).
-pub fn marker_sink(
-    reporter: Reporter,
-    start: StartTime,
-    stats: MarkerStats,
-) -> ember_devices::legacy::MarkerSink {
-    Box::new(move |e| {
-        let ms = e.at.saturating_duration_since(start.instant).as_secs_f64() * 1e3;
-        if e.first {
-            tracing::info!("boot marker {} after {ms:.1} ms", e.value);
-        }
-        reporter.event(
-            "boot_marker",
-            serde_json::json!({
-                "value": e.value,
-                "first": e.first,
-                "ms_since_start": ms,
-                "mono_ns": start.mono_of(e.at),
-                "kvm": stats.get().map(|s| s.to_json()),
-            }),
-        );
-    })
-}
-
 /// The pieces a VM is assembled from, by cold boot or by restore.
 #[allow(missing_debug_implementations)]
 pub struct Parts {
@@ -329,69 +144,6 @@ pub struct Parts {
     pub caps: crate::vstate::StateCaps,
     /// Filled with KVM's counters once the VM is assembled (for the boot-marker sink).
     pub marker_stats: MarkerStats,
-}
-
-/// Opens /dev/kvm and checks the capabilities ember uses.
-pub fn open_kvm() -> Result<Kvm, VmError> {
-    let kvm = Kvm::new().map_err(VmError::KvmOpen)?;
-    for cap in [
-        Cap::Irqchip,
-        Cap::Ioeventfd,
-        Cap::Irqfd,
-        Cap::UserMemory,
-        Cap::Pit2,
-    ] {
-        if !kvm.check_extension(cap) {
-            return Err(VmError::MissingCap(cap));
-        }
-    }
-    Ok(kvm)
-}
-
-/// Registers every region of `mem` as a KVM memory slot (with dirty logging when asked).
-pub fn register_memory(vm: &VmFd, mem: &GuestMemoryMmap, log_dirty: bool) -> Result<(), VmError> {
-    for (slot, region) in mem.iter().enumerate() {
-        let r = kvm_userspace_memory_region {
-            slot: slot as u32,
-            flags: if log_dirty {
-                kvm_bindings::KVM_MEM_LOG_DIRTY_PAGES
-            } else {
-                0
-            },
-            guest_phys_addr: region.start_addr().0,
-            memory_size: region.len(),
-            userspace_addr: mem
-                .get_host_address(region.start_addr())
-                .map_err(|e| VmError::Os {
-                    what: "guest memory has no host mapping",
-                    source: std::io::Error::other(e.to_string()),
-                })? as u64,
-        };
-        // SAFETY: the region is a live mapping owned by `mem`, which outlives the VM (the
-        // `Vm` holds it and drops the VmFd first); the slot does not overlap another slot.
-        unsafe { vm.set_user_memory_region(r) }.map_err(|source| VmError::Kvm {
-            what: "KVM_SET_USER_MEMORY_REGION",
-            source,
-        })?;
-    }
-    Ok(())
-}
-
-/// Creates the in-kernel PIC/IOAPIC/LAPIC and the PIT. Call after the memory slots exist: on
-/// kvm_pvm a memory slot added after the irqchip costs ~7 ms (pvm-notes.md).
-pub fn create_irqchip_and_pit(vm: &VmFd) -> Result<(), VmError> {
-    vm.create_irq_chip().map_err(|source| VmError::Kvm {
-        what: "KVM_CREATE_IRQCHIP",
-        source,
-    })?;
-    let pit = kvm_pit_config {
-        flags: kvm_bindings::KVM_PIT_SPEAKER_DUMMY,
-        ..Default::default()
-    };
-    vm.create_pit2(pit).map_err(|source| VmError::Kvm {
-        what: "KVM_CREATE_PIT2",
-        source,
-    })
 }
 
 /// Watches the reset and vCPU-exit eventfds and records how the VM ended.
@@ -427,139 +179,6 @@ impl MutEventSubscriber for ExitWatcher {
 }
 
 impl Vm {
-    /// Builds a VM for cold boot: memory, kernel, devices, vCPUs in their boot state.
-    pub fn build(
-        config: &VmConfig,
-        serial_out: SerialOut,
-        reporter: Reporter,
-        start: StartTime,
-    ) -> Result<Self, VmError> {
-        let host = HostKvm::detect();
-        let profile = config.cpu_profile.unwrap_or_else(|| host.default_profile());
-        let kvm = open_kvm()?;
-        let max = kvm
-            .get_max_vcpus()
-            .min(usize::from(boot::mptable::MAX_VCPUS));
-        if config.vcpus == 0 || usize::from(config.vcpus) > max {
-            return Err(VmError::VcpuCount {
-                requested: config.vcpus,
-                max,
-            });
-        }
-        memory::validate_size(config.mem_mib)?;
-        // Open the disks before anything expensive, so a bad path fails fast.
-        let disks = config
-            .disks
-            .iter()
-            .map(|d| Block::new(d.clone()))
-            .collect::<Result<Vec<_>, _>>()?;
-
-        let mem = memory::create_anonymous(config.mem_mib)?;
-        let vm_fd = kvm.create_vm().map_err(|source| VmError::Kvm {
-            what: "KVM_CREATE_VM",
-            source,
-        })?;
-        if let Err(e) = vm_fd.set_tss_address(0xfffb_d000) {
-            tracing::debug!("KVM_SET_TSS_ADDR: {e} (not needed on this host)");
-        }
-        register_memory(&vm_fd, &mem, config.track_dirty_pages)?;
-        create_irqchip_and_pit(&vm_fd)?;
-
-        let kernel = boot::load_kernel(&mem, &config.kernel)?;
-        boot::mptable::setup(&mem, config.vcpus)?;
-        boot::regs::write_boot_tables(&mem)?;
-
-        let mut events = EventLoop::new().map_err(VmError::EventLoop)?;
-        let mut devices = DeviceManager::new();
-        devices.add_serial(&vm_fd, serial_out)?;
-        let reset_evt = devices.add_i8042()?;
-        let marker_stats = MarkerStats::default();
-        devices.add_boot_marker(BootMarker::new(marker_sink(
-            reporter.clone(),
-            start,
-            marker_stats.clone(),
-        )))?;
-        for disk in disks {
-            let d = Arc::new(Mutex::new(disk));
-            devices.add_virtio(&vm_fd, &mem, &mut events, d.clone(), VirtioHandle::Block(d))?;
-        }
-        for n in &config.net {
-            let d = Arc::new(Mutex::new(Net::new(n.clone())?));
-            devices.add_virtio(&vm_fd, &mem, &mut events, d.clone(), VirtioHandle::Net(d))?;
-        }
-        if let Some(v) = &config.vsock {
-            let d = Arc::new(Mutex::new(Vsock::new(v.clone())?));
-            devices.add_virtio(&vm_fd, &mem, &mut events, d.clone(), VirtioHandle::Vsock(d))?;
-        }
-
-        let cmdline = assemble_cmdline(config, profile, &devices.cmdline_entries());
-        let c = boot::build_cmdline(&cmdline)?;
-        boot::write_boot_params(&mem, &kernel, &c, config.mem_mib << 20)?;
-
-        let pio = Arc::new(devices.pio.clone());
-        let mmio = Arc::new(devices.mmio.clone());
-        let supported_cpuid = kvm
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(|source| VmError::Kvm {
-                what: "KVM_GET_SUPPORTED_CPUID",
-                source,
-            })?;
-        let msr_list = kvm.get_msr_index_list().map_err(|source| VmError::Kvm {
-            what: "KVM_GET_MSR_INDEX_LIST",
-            source,
-        })?;
-        let supported_msrs = msr_list.as_slice().to_vec();
-        let msr_indices = Arc::new(crate::vstate::order_msrs(supported_msrs.clone()));
-        let caps = crate::vstate::StateCaps::probe(&vm_fd);
-        let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
-        for id in 0..config.vcpus {
-            let fd = vm_fd
-                .create_vcpu(u64::from(id))
-                .map_err(|source| VmError::Kvm {
-                    what: "KVM_CREATE_VCPU",
-                    source,
-                })?;
-            let mut cpuid = supported_cpuid.clone();
-            profile.apply(&mut cpuid, id, config.vcpus);
-            fd.set_cpuid2(&cpuid).map_err(|source| VmError::Kvm {
-                what: "KVM_SET_CPUID2",
-                source,
-            })?;
-            boot::regs::setup_common(&fd, id, &supported_msrs)?;
-            if id == 0 {
-                boot::regs::setup_boot_vcpu(&fd, id, kernel.entry.0)?;
-            }
-            vcpus.push(Vcpu {
-                id,
-                fd,
-                pio: pio.clone(),
-                mmio: mmio.clone(),
-                profile,
-                cpuid,
-                msr_indices: msr_indices.clone(),
-                caps,
-                reporter: reporter.clone(),
-            });
-        }
-
-        Self::assemble(Parts {
-            vm_fd,
-            memory: mem,
-            devices,
-            cmdline,
-            profile,
-            host,
-            events,
-            vcpus,
-            reset_evt,
-            reporter,
-            start,
-            config: config.clone(),
-            caps,
-            marker_stats,
-        })
-    }
-
     /// Finishes a VM from its parts: exit plumbing and bookkeeping.
     pub fn assemble(p: Parts) -> Result<Self, VmError> {
         let Parts {
@@ -808,7 +427,8 @@ impl Vm {
                 }
                 let t = std::time::Instant::now();
                 let states = control.paused.as_deref().unwrap_or_default();
-                let result = crate::snapshot::write_snapshot(self, states, &dir, kind);
+                let result =
+                    crate::persist::write_snapshot(&self.snapshot_source(), states, &dir, kind);
                 if result.is_ok() && self.config.track_dirty_pages {
                     self.diff_parent = Some(dir.clone());
                 }
@@ -851,6 +471,22 @@ impl Vm {
     fn config_mem_mib(&self) -> u64 {
         self.memory.iter().map(|r| r.len()).sum::<u64>() >> 20
     }
+
+    /// What a snapshot of this VM is written from (its vCPUs must be paused).
+    fn snapshot_source(&self) -> SnapshotSource<'_> {
+        SnapshotSource {
+            vm_fd: &self.vm_fd,
+            memory: &self.memory,
+            devices: &self.devices,
+            config: &self.config,
+            cmdline: &self.cmdline,
+            profile: self.profile,
+            host: self.host,
+            caps: self.caps,
+            vcpu_count: self.vcpu_count,
+            diff_parent: self.diff_parent.as_deref(),
+        }
+    }
 }
 
 fn pause_all(handles: &[VcpuHandle], control: &mut Control) -> Result<(), String> {
@@ -881,77 +517,9 @@ fn resume_all(handles: &[VcpuHandle], control: &mut Control) {
     }
 }
 
-/// The full kernel command line: base, root device, profile masks, virtio devices, extras.
-/// Device entries go before the user's additions so that a `--` in them (init arguments)
-/// cannot swallow them.
-pub fn assemble_cmdline(config: &VmConfig, profile: CpuProfile, devices: &[String]) -> String {
-    let mut parts: Vec<String> = vec![config
-        .cmdline
-        .clone()
-        .unwrap_or_else(|| DEFAULT_CMDLINE.to_string())];
-    if config.root {
-        if let Some(d) = config.disks.first() {
-            parts.push("root=/dev/vda".into());
-            parts.push(
-                if d.mode == BlockMode::ReadOnly {
-                    "ro"
-                } else {
-                    "rw"
-                }
-                .into(),
-            );
-        }
-    }
-    let masks = profile.cmdline();
-    if !masks.is_empty() {
-        parts.push(masks.into());
-    }
-    parts.extend(devices.iter().cloned());
-    parts.extend(config.cmdline_extra.iter().cloned());
-    parts.retain(|p| !p.trim().is_empty());
-    parts.join(" ")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cmdline_order_and_root() {
-        let mut c = VmConfig::new("/k".into());
-        c.disks.push(BlockConfig {
-            path: "/r".into(),
-            mode: BlockMode::ReadOnly,
-            id: "root".into(),
-        });
-        c.cmdline_extra.push("ember.run=ZWNobw".into());
-        let s = assemble_cmdline(
-            &c,
-            CpuProfile::Pvm,
-            &["virtio_mmio.device=4K@0xd0000000:5".into()],
-        );
-        assert!(s.starts_with(DEFAULT_CMDLINE));
-        let root = s.find("root=/dev/vda ro").unwrap();
-        let masks = s.find("clearcpuid=").unwrap();
-        let dev = s.find("virtio_mmio.device").unwrap();
-        let extra = s.find("ember.run").unwrap();
-        assert!(root < masks && masks < dev && dev < extra, "{s}");
-        let host = assemble_cmdline(&c, CpuProfile::Host, &[]);
-        assert!(!host.contains("clearcpuid"));
-        c.root = false;
-        c.cmdline = Some("console=ttyS0".into());
-        assert_eq!(
-            assemble_cmdline(&c, CpuProfile::Host, &[]),
-            "console=ttyS0 ember.run=ZWNobw"
-        );
-    }
-
-    #[test]
-    fn config_json_defaults_and_unknown_fields() {
-        let c: VmConfig = serde_json::from_str(r#"{"kernel": "/k"}"#).unwrap();
-        assert_eq!((c.mem_mib, c.vcpus, c.root), (128, 1, true));
-        assert!(serde_json::from_str::<VmConfig>(r#"{"kernel": "/k", "mem": 1}"#).is_err());
-    }
 
     #[test]
     fn exit_codes() {

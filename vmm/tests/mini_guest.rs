@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use ember_devices::virtio::block::{BlockConfig, BlockMode};
+use ember_vmm::builder::build_boot;
 use ember_vmm::report::{Reporter, StartTime};
 use ember_vmm::vm::VmExit;
 use ember_vmm::{Vm, VmConfig, VmError};
@@ -60,7 +61,7 @@ impl std::io::Write for Capture {
 fn boot(cfg: &VmConfig, report: &Path) -> (Result<VmExit, VmError>, String) {
     let out = Capture::default();
     let reporter = Reporter::to_file(report).unwrap();
-    let r = Vm::build(cfg, Box::new(out.clone()), reporter, StartTime::now()).and_then(Vm::run);
+    let r = build_boot(cfg, Box::new(out.clone()), reporter, StartTime::now()).and_then(Vm::run);
     let s = String::from_utf8_lossy(&out.0.lock().unwrap()).into_owned();
     (r, s)
 }

@@ -1,4 +1,6 @@
-//! Full, diff and layered snapshots, and restore.
+//! Snapshots on disk: writing full, diff and layered snapshots of a paused VM (with its
+//! devices' states), loading and checking a snapshot's state before a restore, mapping its
+//! memory, and merging a diff snapshot onto its parent.
 //!
 //! A snapshot is a directory written atomically (temp dir + rename, `ember_snapshot::dir`):
 //! `state` (magic, version, bincode body, CRC64: [`VmState`]) and `memory` (guest RAM, sparse:
@@ -9,33 +11,41 @@
 //! Restore is a start mode: the state file is read and checked (format, checksum, host kind,
 //! CPU profile, CPUID, memory file size) before anything is built; guest memory is the
 //! `memory` file mapped `MAP_PRIVATE | MAP_NORESERVE`, so clones of one snapshot share the page
-//! cache and copy only the pages they write, and the file is never modified.
+//! cache and copy only the pages they write, and the file is never modified. Building the
+//! restored VM is [`crate::builder::build_restore`]'s.
+//!
+//! Dependencies go one way: the running VM ([`crate::vm`]) calls [`write_snapshot`] with a
+//! [`SnapshotSource`] (borrowed parts of the paused VM) and the restore builder calls the
+//! loading functions; this module uses neither of them, only the configuration
+//! ([`crate::config`]), [`VmError`] ([`crate::error`]) and the lower modules (devices, KVM
+//! state, layers).
 
 use std::fs::File;
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ember_devices::legacy::{BootMarker, EventTrigger, Serial, SerialOut, SerialSnapshot};
+use ember_devices::legacy::SerialSnapshot;
 use ember_devices::GuestMemoryMmap;
 use ember_snapshot::{MemoryRegionRef, SnapshotWriter, MEMORY_FILE, STATE_FILE};
-use kvm_bindings::{CpuId, KVM_MAX_CPUID_ENTRIES};
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap};
 
 use ember_devices::bus::lock;
-use ember_devices::virtio::block::{Block, BlockError, BlockMode, BlockState};
+use ember_devices::virtio::block::{BlockMode, BlockState};
 use ember_devices::virtio::mmio::MmioTransportState;
-use ember_devices::virtio::net::{Net, NetState};
-use ember_devices::virtio::vsock::{Vsock, VsockState, VsockStateV1};
-use ember_devices::virtio::{Interrupt, QueueSnapshot};
+use ember_devices::virtio::net::NetState;
+use ember_devices::virtio::vsock::{VsockState, VsockStateV1};
+use ember_devices::virtio::QueueSnapshot;
 use ember_snapshot::Persist;
+use kvm_ioctls::VmFd;
 
+use crate::config::VmConfig;
 use crate::cpu::{CpuProfile, HostKvm};
-use crate::device_manager::VirtioHandle;
-use crate::report::{Reporter, StartTime};
-use crate::vm::{Vm, VmConfig, VmError};
+use crate::device_manager::{DeviceManager, VirtioHandle};
+use crate::error::VmError;
+use crate::report::Reporter;
 use crate::vstate::{self, KvmVmState, StateCaps, VcpuState};
 
 /// Errors writing or restoring snapshots.
@@ -149,9 +159,35 @@ pub struct MemoryDiff {
     pub pages: ember_snapshot::PageSet,
 }
 
+/// The parts of a paused VM a snapshot is written from, borrowed from the running VM
+/// ([`crate::vm::Vm`], which builds one for each snapshot request).
+#[derive(Debug)]
+pub struct SnapshotSource<'a> {
+    /// The KVM VM.
+    pub vm_fd: &'a VmFd,
+    /// Guest memory.
+    pub memory: &'a GuestMemoryMmap,
+    /// Devices.
+    pub devices: &'a DeviceManager,
+    /// The configuration the VM was built from.
+    pub config: &'a VmConfig,
+    /// The kernel command line the guest got.
+    pub cmdline: &'a str,
+    /// The CPU profile in force.
+    pub profile: CpuProfile,
+    /// Host KVM kind.
+    pub host: HostKvm,
+    /// KVM state capabilities.
+    pub caps: StateCaps,
+    /// Number of vCPUs.
+    pub vcpu_count: u8,
+    /// The snapshot the next diff snapshot is relative to.
+    pub diff_parent: Option<&'a Path>,
+}
+
 /// Pages written since the last call (KVM's dirty log for the guest's writes, the memory
 /// bitmap for the VMM's own), as memory-file page indices; both logs are reset.
-pub fn take_dirty_pages(vm: &Vm) -> Result<ember_snapshot::PageSet, SnapshotError> {
+pub fn take_dirty_pages(vm: &SnapshotSource<'_>) -> Result<ember_snapshot::PageSet, SnapshotError> {
     let total: u64 = vm.memory.iter().map(|r| r.len()).sum();
     let mut pages = ember_snapshot::PageSet::new(total);
     let mut first = 0u64;
@@ -391,7 +427,7 @@ unsafe fn memory_slices(mem: &GuestMemoryMmap) -> Vec<(u64, &[u8])> {
 
 /// Writes a full snapshot of `vm` (whose vCPUs are paused with `vcpu_states`) into `dir`.
 pub fn write_snapshot(
-    vm: &Vm,
+    vm: &SnapshotSource<'_>,
     vcpu_states: &[VcpuState],
     dir: &Path,
     kind: crate::api::SnapshotKind,
@@ -406,7 +442,7 @@ pub fn write_snapshot(
                         .into(),
                 ));
             }
-            Some(vm.diff_parent.clone().ok_or_else(|| {
+            Some(vm.diff_parent.map(Path::to_path_buf).ok_or_else(|| {
                 SnapshotError::Unsupported(
                     "no earlier snapshot of this VM to diff against: take a full snapshot first"
                         .into(),
@@ -423,7 +459,7 @@ pub fn write_snapshot(
     }
     let writer = SnapshotWriter::create(dir)?;
     // SAFETY: the vCPUs are paused (we hold their states) and this is the event-loop thread.
-    let (regions, refs) = unsafe { memory_layout(&vm.memory) };
+    let (regions, refs) = unsafe { memory_layout(vm.memory) };
     // With tracking on, every snapshot restarts the dirty logs (the next diff is relative to
     // this snapshot).
     let dirty = if vm.config.track_dirty_pages {
@@ -481,11 +517,11 @@ unsafe fn memory_layout(
 /// restored from, the page list (as `memory_diff`, so builds without layers refuse it) and
 /// the base's identity in [`ember_snapshot::LAYER_FILE`].
 fn write_layered(
-    vm: &Vm,
+    vm: &SnapshotSource<'_>,
     vcpu_states: &[VcpuState],
     dir: &Path,
 ) -> Result<SnapshotInfo, SnapshotError> {
-    let origin = crate::layer::origin_of(&vm.memory).ok_or_else(|| {
+    let origin = crate::layer::origin_of(vm.memory).ok_or_else(|| {
         SnapshotError::Unsupported(
             "a layered snapshot needs a VM restored from a snapshot (this one was booted)".into(),
         )
@@ -498,7 +534,7 @@ fn write_layered(
         )));
     }
     let t = std::time::Instant::now();
-    let (mut pages, scanned) = crate::layer::written_pages(&vm.memory)?;
+    let (mut pages, scanned) = crate::layer::written_pages(vm.memory)?;
     let written = pages.count();
     pages
         .union_with(&origin.carried)
@@ -510,7 +546,7 @@ fn write_layered(
     }
     let writer = SnapshotWriter::create(dir)?;
     // SAFETY: the vCPUs are paused (we hold their states) and this is the event-loop thread.
-    let (regions, refs) = unsafe { memory_layout(&vm.memory) };
+    let (regions, refs) = unsafe { memory_layout(vm.memory) };
     let stats = ember_snapshot::write_diff_regions(writer.path(MEMORY_FILE)?, &refs, &pages)?;
     let layer = ember_snapshot::LayerState {
         base_path: origin.base_path.clone(),
@@ -550,7 +586,7 @@ fn write_layered(
 /// Writes the state file (and copies of overlay disks) of a snapshot being built in `writer`.
 /// Returns the state file's size.
 fn write_state_and_disks(
-    vm: &Vm,
+    vm: &SnapshotSource<'_>,
     vcpu_states: &[VcpuState],
     writer: &SnapshotWriter,
     regions: Vec<MemoryRegionState>,
@@ -605,9 +641,9 @@ fn write_state_and_disks(
         host: vm.host,
         cpu_profile: vm.profile,
         config: vm.config.clone(),
-        cmdline: vm.cmdline.clone(),
+        cmdline: vm.cmdline.to_string(),
         memory: regions,
-        kvm: vstate::save_vm(&vm.vm_fd)?,
+        kvm: vstate::save_vm(vm.vm_fd)?,
         vcpus: vcpu_states
             .iter()
             .map(|s| ember_snapshot::decode_state(&ember_snapshot::encode_state(s)?))
@@ -797,7 +833,7 @@ fn map_memory_file(
 
 /// Maps the memory of the layered snapshot in `dir`: its base privately, then the layer's
 /// `pages` over it; remembers the base and the pages for the next layered snapshot.
-fn map_layered_memory(
+pub(crate) fn map_layered_memory(
     dir: &Path,
     layer: &ember_snapshot::LayerState,
     pages: &ember_snapshot::PageSet,
@@ -834,349 +870,9 @@ fn map_layered_memory(
     Ok(mem)
 }
 
-impl Vm {
-    /// Restores the VM saved in `dir`; it starts running at [`Vm::run`].
-    pub fn restore(
-        dir: &Path,
-        opts: &RestoreOptions,
-        serial_out: SerialOut,
-        reporter: Reporter,
-        start: StartTime,
-    ) -> Result<Self, SnapshotError> {
-        let mut steps = Steps::new(start);
-        let mut state = load_state(dir, opts)?;
-        apply_overrides(dir, &mut state.config, opts)?;
-        steps.mark("read_and_check_state");
-        let build = |e: VmError| SnapshotError::Build {
-            dir: dir.to_path_buf(),
-            source: Box::new(e),
-        };
-        let kvm = crate::vm::open_kvm().map_err(build)?;
-        steps.mark("open_kvm");
-        let mem = match (&state.memory_diff, ember_snapshot::read_layer(dir)?) {
-            (Some(d), Some(layer)) => {
-                map_layered_memory(dir, &layer, &d.pages, &state.memory, &reporter)?
-            }
-            _ => map_memory(dir, &state.memory)?,
-        };
-        steps.mark("map_memory");
-        prefetch(dir, &mem, opts.prefetch, &reporter);
-        let vm_fd = kvm.create_vm().map_err(|source| {
-            build(VmError::Kvm {
-                what: "KVM_CREATE_VM",
-                source,
-            })
-        })?;
-        if let Err(e) = vm_fd.set_tss_address(0xfffb_d000) {
-            tracing::debug!("KVM_SET_TSS_ADDR: {e} (not needed on this host)");
-        }
-        steps.mark("create_vm");
-        crate::vm::register_memory(&vm_fd, &mem, opts.track_dirty_pages).map_err(build)?;
-        steps.mark("memory_slots");
-        crate::vm::create_irqchip_and_pit(&vm_fd).map_err(build)?;
-        steps.mark("irqchip_and_pit");
-        vstate::restore_vm(&vm_fd, &state.kvm)?;
-        steps.mark("vm_state");
-
-        // The CPU must present what the snapshot's guest saw.
-        let supported = kvm
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(|source| {
-                build(VmError::Kvm {
-                    what: "KVM_GET_SUPPORTED_CPUID",
-                    source,
-                })
-            })?;
-        let mut expected = supported;
-        state
-            .cpu_profile
-            .apply(&mut expected, 0, state.config.vcpus);
-        if let Some(diff) = cpuid_difference(expected.as_slice(), &state.vcpus[0].cpuid) {
-            return Err(SnapshotError::Incompatible {
-                dir: dir.to_path_buf(),
-                reason: format!(
-                    "this host's CPU (profile '{}') differs from the one the snapshot was taken on ({diff})",
-                    state.cpu_profile
-                ),
-            });
-        }
-
-        let events =
-            crate::device_manager::EventLoop::new().map_err(|e| build(VmError::EventLoop(e)))?;
-        let mut devices = crate::device_manager::DeviceManager::new();
-        let irq = EventTrigger::new().map_err(|source| {
-            build(VmError::Os {
-                what: "eventfd",
-                source,
-            })
-        })?;
-        let drained = devices
-            .new_drained_event()
-            .map_err(|e| build(VmError::Device(e)))?;
-        let serial = Serial::from_snapshot(&state.serial, irq, serial_out, Some(drained)).map_err(
-            |source| {
-                build(VmError::Os {
-                    what: "serial state",
-                    source,
-                })
-            },
-        )?;
-        devices
-            .add_serial_device(&vm_fd, serial)
-            .map_err(|e| build(VmError::Device(e)))?;
-        let reset_evt = devices.add_i8042().map_err(|e| build(VmError::Device(e)))?;
-        let marker_stats = crate::vm::MarkerStats::default();
-        devices
-            .add_boot_marker(BootMarker::new(crate::vm::marker_sink(
-                reporter.clone(),
-                start,
-                marker_stats.clone(),
-            )))
-            .map_err(|e| build(VmError::Device(e)))?;
-
-        steps.mark("cpuid_check_and_legacy_devices");
-        let mut events = events;
-        let mut config = state.config;
-        config.track_dirty_pages = opts.track_dirty_pages;
-        let (mut disk_i, mut net_i) = (0usize, 0usize);
-        for v in state.virtio {
-            let irq_evt = EventTrigger::new().map_err(|source| {
-                build(VmError::Os {
-                    what: "eventfd",
-                    source,
-                })
-            })?;
-            let interrupt = Arc::new(Interrupt::new(irq_evt));
-            interrupt.restore_status(v.transport.interrupt_status);
-            let live = v.transport.status & ember_devices::virtio::mmio::status::DRIVER_OK != 0;
-            let args = live.then(|| (mem.clone(), interrupt.clone()));
-            let restore = Some((&v.transport, v.transport_queues.as_slice()));
-            let dev_err = |e: String| SnapshotError::Incompatible {
-                dir: dir.to_path_buf(),
-                reason: format!("virtio device at {:#x}: {e}", v.base),
-            };
-            // Format-1 vsock state reads as the current one without connections.
-            let device = match v.device {
-                DeviceState::Vsock(old) => DeviceState::VsockV2(old.into()),
-                other => other,
-            };
-            match device {
-                DeviceState::Block(s) => {
-                    let mut cfg = config
-                        .disks
-                        .get(disk_i)
-                        .cloned()
-                        .unwrap_or(s.config.clone());
-                    if matches!(cfg.mode, BlockMode::Overlay { .. }) {
-                        let given = opts.disk_paths.get(disk_i).cloned().flatten();
-                        let Some(own) = given else {
-                            return Err(dev_err(format!(
-                                "disk {disk_i} is a copy-on-write overlay: give this clone its own \
-                                 overlay file (--disk-path; a missing file is created from the \
-                                 snapshot's copy)"
-                            )));
-                        };
-                        if !own.exists() {
-                            sparse_copy(&dir.join(overlay_file_name(disk_i)), &own)?;
-                        }
-                        cfg.path = own;
-                    }
-                    let new_base = opts.disk_bases.get(disk_i).is_some_and(Option::is_some);
-                    let d = Block::restore((cfg, args), &s).map_err(|e| {
-                        let hint = match (&e, new_base) {
-                            (BlockError::BaseMismatch { .. }, true) => {
-                                " (the base given with --disk-base is not the snapshot's image)"
-                            }
-                            _ => "",
-                        };
-                        dev_err(format!("disk {disk_i}: {e}{hint}"))
-                    })?;
-                    let d = Arc::new(std::sync::Mutex::new(d));
-                    disk_i += 1;
-                    devices
-                        .attach_virtio(
-                            &vm_fd,
-                            &mem,
-                            &mut events,
-                            d.clone(),
-                            VirtioHandle::Block(d),
-                            v.base,
-                            v.irq,
-                            interrupt,
-                            restore,
-                        )
-                        .map_err(|e| build(VmError::Device(e)))?;
-                }
-                DeviceState::Net(s) => {
-                    let cfg = config
-                        .net
-                        .get(net_i)
-                        .cloned()
-                        .ok_or_else(|| dev_err("no network configuration for it".into()))?;
-                    net_i += 1;
-                    let d = Arc::new(std::sync::Mutex::new(
-                        Net::restore((cfg, args), &s).map_err(|e| dev_err(e.to_string()))?,
-                    ));
-                    devices
-                        .attach_virtio(
-                            &vm_fd,
-                            &mem,
-                            &mut events,
-                            d.clone(),
-                            VirtioHandle::Net(d),
-                            v.base,
-                            v.irq,
-                            interrupt,
-                            restore,
-                        )
-                        .map_err(|e| build(VmError::Device(e)))?;
-                }
-                DeviceState::Vsock(_) => {
-                    return Err(dev_err("format-1 vsock state was not converted".into()));
-                }
-                DeviceState::VsockV2(mut s) => {
-                    let cfg = config
-                        .vsock
-                        .clone()
-                        .ok_or_else(|| dev_err("no vsock configuration for it".into()))?;
-                    if opts.vsock_transport_reset {
-                        s.connections = None;
-                    }
-                    let d = Arc::new(std::sync::Mutex::new(
-                        Vsock::restore((cfg, args), &s).map_err(|e| dev_err(e.to_string()))?,
-                    ));
-                    devices
-                        .attach_virtio(
-                            &vm_fd,
-                            &mem,
-                            &mut events,
-                            d.clone(),
-                            VirtioHandle::Vsock(d),
-                            v.base,
-                            v.irq,
-                            interrupt,
-                            restore,
-                        )
-                        .map_err(|e| build(VmError::Device(e)))?;
-                }
-            }
-        }
-
-        steps.mark("virtio_devices");
-        let msr_list = kvm.get_msr_index_list().map_err(|source| {
-            build(VmError::Kvm {
-                what: "KVM_GET_MSR_INDEX_LIST",
-                source,
-            })
-        })?;
-        let msr_indices = Arc::new(vstate::order_msrs(msr_list.as_slice().to_vec()));
-        let pio = Arc::new(devices.pio.clone());
-        let mmio = Arc::new(devices.mmio.clone());
-        let mut vcpus = Vec::with_capacity(state.vcpus.len());
-        for vs in &state.vcpus {
-            let fd = vm_fd.create_vcpu(u64::from(vs.id)).map_err(|source| {
-                build(VmError::Kvm {
-                    what: "KVM_CREATE_VCPU",
-                    source,
-                })
-            })?;
-            vstate::restore_vcpu(&fd, vs)?;
-            let cpuid = CpuId::from_entries(&vs.cpuid)
-                .map_err(|_| vstate::StateError::TooMany(vs.cpuid.len()))?;
-            vcpus.push(crate::vcpu::Vcpu {
-                id: vs.id,
-                fd,
-                pio: pio.clone(),
-                mmio: mmio.clone(),
-                profile: state.cpu_profile,
-                cpuid,
-                msr_indices: msr_indices.clone(),
-                caps: state.caps,
-                reporter: reporter.clone(),
-            });
-        }
-        // Interrupts raised while the devices were restored (vsock's transport reset, causes
-        // pending at snapshot time) reached the interrupt controller before the vCPUs' LAPIC
-        // state was restored, which overwrote them: raise them again now. A spurious
-        // interrupt is harmless (the driver reads InterruptStatus).
-        for slot in &devices.virtio {
-            let t = lock(&slot.transport);
-            if t.interrupt().status() != 0 {
-                let _ = t.interrupt().eventfd().write(1);
-            }
-        }
-        steps.mark("vcpus");
-        steps.report(&reporter);
-        let mut vm = Vm::assemble(crate::vm::Parts {
-            vm_fd,
-            memory: mem,
-            devices,
-            cmdline: state.cmdline,
-            profile: state.cpu_profile,
-            host: state.host,
-            events,
-            vcpus,
-            reset_evt,
-            reporter,
-            start,
-            config,
-            caps: state.caps,
-            marker_stats,
-        })
-        .map_err(build)?;
-        vm.report_first_guest_data();
-        if vm.config.track_dirty_pages {
-            vm.diff_parent = Some(dir.to_path_buf());
-        }
-        Ok(vm)
-    }
-}
-
-/// Per-step timings of a restore, reported as one `restore_steps` event.
-struct Steps {
-    last: std::time::Instant,
-    steps: Vec<(&'static str, f64)>,
-}
-
-impl Steps {
-    fn new(start: StartTime) -> Self {
-        let mut s = Self {
-            last: std::time::Instant::now(),
-            steps: Vec::with_capacity(12),
-        };
-        // Process start (main) to the beginning of the restore: argument parsing, logging.
-        s.steps.push((
-            "process_setup",
-            s.last
-                .saturating_duration_since(start.instant)
-                .as_secs_f64()
-                * 1e3,
-        ));
-        s
-    }
-
-    fn mark(&mut self, name: &'static str) {
-        let now = std::time::Instant::now();
-        self.steps.push((
-            name,
-            now.saturating_duration_since(self.last).as_secs_f64() * 1e3,
-        ));
-        self.last = now;
-    }
-
-    fn report(&self, reporter: &Reporter) {
-        let steps: serde_json::Map<String, serde_json::Value> = self
-            .steps
-            .iter()
-            .map(|(k, v)| ((*k).to_string(), serde_json::json!(v)))
-            .collect();
-        reporter.event("restore_steps", serde_json::json!({ "ms": steps }));
-    }
-}
-
 /// Applies restore-time overrides to the snapshot's configuration (`dir` names the snapshot
 /// in errors). Base overrides must name overlay disks the snapshot has.
-fn apply_overrides(
+pub(crate) fn apply_overrides(
     dir: &Path,
     config: &mut VmConfig,
     opts: &RestoreOptions,
@@ -1228,66 +924,10 @@ fn apply_overrides(
     Ok(())
 }
 
-/// Populates the snapshot's recorded working set, now or on a helper thread.
-fn prefetch(
-    dir: &Path,
-    mem: &GuestMemoryMmap,
-    mode: crate::workingset::Prefetch,
-    reporter: &Reporter,
-) {
-    use crate::workingset::{self as ws, Prefetch};
-    if mode == Prefetch::Off {
-        return;
-    }
-    let set = match ws::load(dir) {
-        Ok(Some(s)) => s,
-        Ok(None) => return,
-        Err(e) => {
-            tracing::warn!("ignoring the working set of {}: {e}", dir.display());
-            return;
-        }
-    };
-    let ranges = ws::ranges(mem, &set);
-    let reporter = reporter.clone();
-    let work = move || {
-        let t = std::time::Instant::now();
-        let bytes = ws::populate(&ranges);
-        reporter.event(
-            "prefetch_done",
-            serde_json::json!({
-                "bytes": bytes,
-                "ms": t.elapsed().as_secs_f64() * 1e3,
-                "mono_ns": crate::report::monotonic_ns(),
-            }),
-        );
-    };
-    if mode == Prefetch::Sync {
-        work();
-    } else {
-        // The thread holds a clone of the memory so the mapping outlives it.
-        let keep = mem.clone();
-        let spawned = std::thread::Builder::new()
-            .name("prefetch".into())
-            .spawn(move || {
-                if let Err(e) =
-                    crate::seccomp::install_configured(crate::seccomp::ThreadKind::Prefetch)
-                {
-                    tracing::warn!("not prefetching: {e}");
-                    return;
-                }
-                work();
-                drop(keep);
-            });
-        if let Err(e) = spawned {
-            tracing::warn!("cannot start the prefetch thread: {e}");
-        }
-    }
-}
-
 /// Compares two CPUID tables entry by entry, ignoring order and the APIC ids that name one
 /// host CPU ([`crate::cpu::feature_key`]). `None` when they match, else the first leaf that
 /// differs, as `expected` (this host) against `saved` (the snapshot).
-fn cpuid_difference(
+pub(crate) fn cpuid_difference(
     expected: &[kvm_bindings::kvm_cpuid_entry2],
     saved: &[kvm_bindings::kvm_cpuid_entry2],
 ) -> Option<String> {
