@@ -4,7 +4,9 @@
 //! Errors axum produces itself (a bad path parameter, an unknown method) are rewritten into
 //! the same shape by [`jsonify`].
 
+use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
+use utoipa::ToSchema;
 
 use axum::body::Body;
 use axum::extract::{FromRequest, FromRequestParts, Request};
@@ -14,12 +16,27 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 
-use super::types::{ErrorBody, ErrorDetail};
 use ember_runtime::{ErrorClass, RuntimeError};
 
 /// Largest JSON request body (code, base64 stdin): 64 MiB. Files go through the streamed
 /// upload, which has its own limit.
 pub const MAX_JSON_BYTES: usize = 64 << 20;
+
+/// `{"error": {"code", "message"}}`: every error response.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// An error's code and message.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ErrorDetail {
+    /// Stable, machine-readable (`sandbox_not_found`, `wrong_state`, `invalid_request`, …).
+    pub code: String,
+    /// What failed, for people.
+    pub message: String,
+}
 
 /// An error answer.
 #[derive(Debug, Clone)]

@@ -28,6 +28,7 @@ pub mod ports;
 pub mod proxy;
 pub mod routes;
 pub mod stream;
+pub mod tokens;
 pub mod types;
 
 use std::future::Future;

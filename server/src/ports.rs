@@ -47,7 +47,7 @@ pub struct NetworkBody {
 
 /// The sandbox's own token (the E2B traffic token: one secret per sandbox, derived).
 pub fn access_token(st: &AppState, id: &str) -> String {
-    super::e2b::derive_token(&st.inner.token, "traffic-access", id)
+    crate::tokens::derive_token(&st.inner.token, "traffic-access", id)
 }
 
 fn body(st: &AppState, id: &str, info: NetworkInfo) -> Json<NetworkBody> {

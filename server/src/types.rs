@@ -14,21 +14,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::error::ApiError;
 use ember_runtime::{AuditFilter, OnTimeout};
 
-/// `{"error": {"code", "message"}}`: every error response.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct ErrorBody {
-    /// The error.
-    pub error: ErrorDetail,
-}
-
-/// An error's code and message.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct ErrorDetail {
-    /// Stable, machine-readable (`sandbox_not_found`, `wrong_state`, `invalid_request`, …).
-    pub code: String,
-    /// What failed, for people.
-    pub message: String,
-}
+pub use super::error::{ErrorBody, ErrorDetail};
 
 /// `{"ok": true}`: the answer of calls that return nothing else.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

@@ -31,7 +31,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tower::ServiceExt;
 
-use super::route::{gone_or, Target};
+use super::target::{gone_or, Target};
 use super::{reshape, rpc, E2bError, E2bState};
 use crate::error::ApiError;
 use crate::stream::{self, pump_body, ChannelReader};

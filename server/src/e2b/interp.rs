@@ -29,7 +29,7 @@ use tokio::sync::mpsc;
 use tower::ServiceExt;
 use tracing::Span;
 
-use super::route::{gone_or, Target};
+use super::target::{gone_or, Target};
 use super::{E2bError, E2bJson, E2bState};
 use crate::backend::with_sandbox;
 use crate::Backend;

@@ -22,7 +22,6 @@ use axum::extract::{FromRequest, Request};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
-use sha2::{Digest, Sha256};
 
 use super::error::{ApiError, ApiJson};
 use super::{AppState, Backend};
@@ -34,6 +33,7 @@ pub mod envd;
 pub mod interp;
 pub mod route;
 pub mod rpc;
+pub mod target;
 pub mod tls;
 
 /// envd's port: files, processes, filesystem RPC.
@@ -128,34 +128,7 @@ impl E2bState {
     }
 }
 
-/// HMAC-SHA256 (RFC 2104) of `msg` under `key`.
-pub fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {
-    const BLOCK: usize = 64;
-    let mut k = [0u8; BLOCK];
-    if key.len() > BLOCK {
-        k[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        k[..key.len()].copy_from_slice(key);
-    }
-    let mut inner = Sha256::new();
-    inner.update(k.map(|b| b ^ 0x36));
-    inner.update(msg);
-    let mut outer = Sha256::new();
-    outer.update(k.map(|b| b ^ 0x5c));
-    outer.update(inner.finalize());
-    outer.finalize().into()
-}
-
-/// A per-sandbox secret derived from the server's token: 32 hex digits of
-/// HMAC-SHA256(token, "<purpose>:<id>"). Nothing is stored; it survives restarts and
-/// changes with the server's token.
-pub fn derive_token(server_token: &str, purpose: &str, id: &str) -> String {
-    let mac = hmac_sha256(
-        server_token.as_bytes(),
-        format!("{purpose}:{id}").as_bytes(),
-    );
-    mac[..16].iter().map(|b| format!("{b:02x}")).collect()
-}
+pub use crate::tokens::{derive_token, hmac_sha256};
 
 /// Marks a response the E2B surface produced (a response extension): the server's outer
 /// layer then leaves its body alone and counts it under this label.
@@ -861,6 +834,7 @@ mod boundaries {
         ("process.rs", include_str!("process.rs")),
         ("route.rs", include_str!("route.rs")),
         ("rpc.rs", include_str!("rpc.rs")),
+        ("target.rs", include_str!("target.rs")),
         ("tls.rs", include_str!("tls.rs")),
     ];
     /// Files that still speak the agent protocol or hold a raw `Sandbox`: none may be added.

@@ -18,9 +18,10 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use ember_runtime::call::{self, Io};
 
+pub use super::target::{gone_or, Target};
 use super::{control, envd, interp, E2bError, E2bRoute, E2bState, ENVD_PORT, INTERP_PORT};
 use crate::AppState;
-use ember_runtime::{RuntimeError, SandboxInfo, State as SandboxState};
+use ember_runtime::State as SandboxState;
 
 /// Where a request goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,16 +37,6 @@ pub enum Traffic {
         /// The port in the sandbox.
         port: u16,
     },
-}
-
-/// The sandbox a request was routed to, as a request extension for the handlers.
-#[derive(Debug, Clone)]
-pub struct Target {
-    /// The sandbox id.
-    pub id: String,
-    /// What the runtime knows of it (live: running, or paused/resuming for calls that
-    /// resume it).
-    pub info: SandboxInfo,
 }
 
 /// `host` without its port (`[::1]:3000` → `[::1]`), lower-cased.
@@ -323,18 +314,6 @@ async fn sandbox(st: E2bState, id: String, port: u16, mut req: Request) -> Respo
         envd::handle(st, id, req).await
     } else {
         interp::handle(st, req).await
-    }
-}
-
-/// Maps a runtime error of a call on a sandbox that was found live a moment ago: one that
-/// ended meanwhile is "not found" (502), as for a request that arrives after its end.
-pub fn gone_or(id: &str, e: RuntimeError) -> E2bError {
-    match &e {
-        RuntimeError::NotFound(_) => E2bError::sandbox_gone(id),
-        RuntimeError::Conflict { state, .. } if matches!(*state, "stopped" | "failed") => {
-            E2bError::sandbox_gone(id)
-        }
-        _ => E2bError::from(e),
     }
 }
 
