@@ -16,7 +16,9 @@ Content-addressed entries under $EMBER_CACHE (default /var/cache/ember):
                               key3 = sha256(key2 + the rest of the recipe)
 
 Progress goes to stderr. On success the last (and only) line on stdout is the absolute path of
-rootfs-template/<key3>/rootfs.ext4 (manifest.json is beside it). See rootfs/README.md for the recipe schema.
+rootfs-template/<key3>/rootfs.ext4 (manifest.json is beside it). See rootfs/README.md for the recipe's
+keys. The recipe is read as ember checked and normalised it (`ember template check --json`): the
+schema is Rust's (runtime/src/template/schema.rs), not this script's.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import stat
 import subprocess
 import sys
 import time
-import tomllib
 import uuid
 from pathlib import Path
 
@@ -68,12 +69,6 @@ DEFAULT_OUTPUTS = "/workspace/outputs"
 MPL_CONFIG_DIR = "/etc/ember/matplotlib"
 MANIFEST_VERSION = 1
 
-# Recipe defaults for what the image does not contain (manifest.json only).
-DEFAULT_VCPUS = 1
-DEFAULT_MEMORY_MIB = 512
-DEFAULT_CONTEXTS = [{"id": "default", "language": "python"}]
-DEFAULT_SPARE = {"python": 1, "bash": 1}
-LANGUAGES = ("python", "bash")
 
 MERGED_USR_HOOKS = "/usr/share/mmdebstrap/hooks/merged-usr"
 # dpkg never unpacks these (the rules also stay in the image for later installs).
@@ -138,254 +133,86 @@ def sha256_file(path: Path) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Recipe
+#
+# The template schema is Rust's (runtime/src/template/schema.rs). This script reads a recipe only
+# as that code checked and normalised it: `ember template check --json FILE` prints it (and is
+# what `--template` runs), `ember template build` hands it over with --recipe-json. Nothing here
+# re-checks a recipe or knows its defaults.
+
+# The version of that document (`ember_recipe`; RECIPE_FORMAT in schema.rs).
+RECIPE_FORMAT = 1
 
 
-def parse_mode(value, where: str) -> int:
-    if isinstance(value, int):
-        mode = value
-    elif isinstance(value, str) and re.fullmatch(r"0?[0-7]{3,4}", value):
-        mode = int(value, 8)
-    else:
-        raise BuildError(f"{where}: mode {value!r} is not an octal string such as \"0644\"")
-    if mode > 0o7777:
-        raise BuildError(f"{where}: mode {value!r} out of range")
-    return mode
+def ember_command() -> list[str]:
+    """How to run `ember`: $EMBER_BIN, else cargo from this checkout (a no-op when it is built)."""
+    exe = os.environ.get("EMBER_BIN")
+    if exe:
+        return [exe]
+    cargo = shutil.which("cargo") or str(Path.home() / ".cargo/bin/cargo")
+    return [cargo, "run", "--quiet", "--package", "ember-cli", "--bin", "ember", "--"]
 
 
-def check_keys(table: dict, allowed: set[str], where: str) -> None:
-    unknown = sorted(set(table) - allowed)
-    if unknown:
-        raise BuildError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
+def check_recipe(path: Path) -> dict:
+    """`ember template check --json PATH`: the recipe checked and normalised, as a JSON document."""
+    cmd = [*ember_command(), "template", "check", "--json", str(path)]
+    log(f"checking the recipe {path} (ember template check)")
+    try:
+        res = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except OSError as e:
+        raise BuildError(f"cannot run {cmd[0]} to check the recipe (set EMBER_BIN to an ember binary): {e}") from e
+    if res.returncode != 0:
+        message = res.stderr.strip().removeprefix("ember: error: ")
+        raise BuildError(message or f"{shlex.join(cmd)} failed with exit status {res.returncode}")
+    try:
+        return json.loads(res.stdout)
+    except json.JSONDecodeError as e:
+        raise BuildError(f"{shlex.join(cmd)} printed no JSON document: {e}") from e
 
 
-def string_list(table: dict, key: str, where: str) -> list[str]:
-    value = table.get(key, [])
-    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise BuildError(f"{where}.{key} must be a list of non-empty strings")
-    return value
+def read_recipe_json(path: Path) -> dict:
+    """A document `ember template check --json` printed, from a file (--recipe-json)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BuildError(f"--recipe-json {path}: {e}") from e
+
+
+def recipe_from_json(doc: dict) -> dict:
+    """The build's view of a checked recipe: flat, with the files' contents inlined as bytes."""
+    if not isinstance(doc, dict) or doc.get("ember_recipe") != RECIPE_FORMAT:
+        raise BuildError(f"not a checked recipe of format {RECIPE_FORMAT} (ember_recipe = "
+                         f"{doc.get('ember_recipe') if isinstance(doc, dict) else None!r}): "
+                         f"is ember older or newer than this script?")
+    r = doc["recipe"]
+    files = []
+    for f in r["files"]:
+        if "content" in f:
+            data = f["content"].encode()
+        else:
+            try:
+                data = Path(f["source"]).read_bytes()
+            except OSError as e:
+                raise BuildError(f"{doc.get('file')}: cannot read {f['source']} (for {f['path']}): {e}") from e
+        files.append({"path": f["path"], "data": data, "mode": f["mode"]})
+    return {
+        "name": r["name"],
+        "description": r["description"],
+        "suite": r["debian"]["suite"],
+        "variant": r["debian"]["variant"],
+        "packages": r["debian"]["packages"],
+        "pip": r["pip"]["packages"],
+        "files": files,
+        "checks": r["checks"]["python"],
+        "vm": r["vm"],
+        "warmup": r["warmup"],
+        "env": r["env"],
+        "outputs": r["outputs"],
+    }
 
 
 def load_recipe(path: Path) -> dict:
-    """Reads and validates a template; returns it normalised (file contents inlined as bytes)."""
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError as e:
-        raise BuildError(f"template {path} not found") from e
-    except tomllib.TOMLDecodeError as e:
-        raise BuildError(f"template {path} is not valid TOML: {e}") from e
-
-    check_keys(raw, {"name", "description", "outputs", "debian", "pip", "files", "checks", "vm", "warmup",
-                     "env"}, str(path))
-    name = raw.get("name", path.stem)
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-        raise BuildError(f"{path}: name {name!r} must be letters, digits, '.', '_' or '-'")
-    description = raw.get("description", "")
-    if not isinstance(description, str):
-        raise BuildError(f"{path}: description must be a string")
-    outputs = guest_path(raw.get("outputs", DEFAULT_OUTPUTS), f"{path}: outputs")
-
-    debian = raw.get("debian")
-    if not isinstance(debian, dict):
-        raise BuildError(f"{path}: a [debian] table is required")
-    check_keys(debian, {"suite", "variant", "packages"}, f"{path} [debian]")
-    suite = debian.get("suite")
-    if not isinstance(suite, str) or not re.fullmatch(r"[a-z][a-z0-9-]*", suite):
-        raise BuildError(f"{path} [debian]: suite must be a Debian code name such as \"bookworm\"")
-    variant = debian.get("variant", "minbase")
-    if variant not in ("minbase", "essential", "apt", "required", "important", "standard"):
-        raise BuildError(f"{path} [debian]: unsupported variant {variant!r}")
-    packages = string_list(debian, "packages", f"{path} [debian]")
-    for p in packages:
-        if not re.fullmatch(r"[a-z0-9][a-z0-9+.-]*(:[a-z0-9]+)?(=[A-Za-z0-9.+:~-]+)?", p):
-            raise BuildError(f"{path} [debian]: {p!r} is not a Debian package name")
-
-    pip = raw.get("pip", {})
-    if not isinstance(pip, dict):
-        raise BuildError(f"{path}: [pip] must be a table")
-    check_keys(pip, {"packages"}, f"{path} [pip]")
-    pip_packages = string_list(pip, "packages", f"{path} [pip]")
-    for p in pip_packages:
-        if p.startswith("-"):
-            raise BuildError(f"{path} [pip]: {p!r}: options are not allowed, only requirements")
-
-    files = []
-    for i, entry in enumerate(raw.get("files", [])):
-        where = f"{path} [[files]] #{i + 1}"
-        if not isinstance(entry, dict):
-            raise BuildError(f"{where}: must be a table")
-        check_keys(entry, {"path", "content", "source", "mode"}, where)
-        dest = entry.get("path")
-        if not isinstance(dest, str) or not dest.startswith("/") or ".." in dest.split("/") or dest == "/":
-            raise BuildError(f"{where}: path must be an absolute path in the guest without '..'")
-        if ("content" in entry) == ("source" in entry):
-            raise BuildError(f"{where}: give exactly one of content (text) or source (a file)")
-        if "content" in entry:
-            if not isinstance(entry["content"], str):
-                raise BuildError(f"{where}: content must be a string")
-            data = entry["content"].encode()
-        else:
-            src = (path.parent / entry["source"]).resolve()
-            try:
-                data = src.read_bytes()
-            except OSError as e:
-                raise BuildError(f"{where}: cannot read source {src}: {e}") from e
-        files.append({"path": dest, "data": data, "mode": parse_mode(entry.get("mode", "0644"), where)})
-
-    checks = table(raw, "checks", str(path))
-    check_keys(checks, {"python"}, f"{path} [checks]")
-    python_checks = string_list(checks, "python", f"{path} [checks]")
-
-    return {
-        "name": name,
-        "description": description,
-        "suite": suite,
-        "variant": variant,
-        "packages": packages,
-        "pip": pip_packages,
-        "files": files,
-        "checks": python_checks,
-        "vm": load_vm(table(raw, "vm", str(path)), f"{path} [vm]"),
-        "warmup": load_warmup(table(raw, "warmup", str(path)), f"{path} [warmup]"),
-        "env": load_env(table(raw, "env", str(path)), f"{path} [env]"),
-        "outputs": outputs,
-    }
-
-
-def table(raw: dict, key: str, where: str) -> dict:
-    value = raw.get(key, {})
-    if not isinstance(value, dict):
-        raise BuildError(f"{where}: [{key}] must be a table")
-    return value
-
-
-def guest_path(value, where: str) -> str:
-    if not isinstance(value, str) or not value.startswith("/") or ".." in value.split("/") or "\0" in value:
-        raise BuildError(f"{where} must be an absolute guest path without '..' (got {value!r})")
-    return "/" + "/".join(p for p in value.split("/") if p)
-
-
-def positive_int(tbl: dict, key: str, default, where: str, minimum: int, maximum: int):
-    value = tbl.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise BuildError(f"{where}: {key} must be an integer from {minimum} to {maximum} (got {value!r})")
-    return value
-
-
-def load_vm(vm: dict, where: str) -> dict:
-    check_keys(vm, {"vcpus", "memory_mib", "disk_mib", "network"}, where)
-    network = vm.get("network", True)
-    if not isinstance(network, bool):
-        raise BuildError(f"{where}: network must be true or false (got {network!r})")
-    return {
-        # A virtio-net device on the guest side (eth0, configured at boot by the agent):
-        # sandboxes of the template get a network namespace and a policy (default: none).
-        "network": network,
-        "vcpus": positive_int(vm, "vcpus", DEFAULT_VCPUS, where, 1, 64),
-        "memory_mib": positive_int(vm, "memory_mib", DEFAULT_MEMORY_MIB, where, 64, 1 << 20),
-        # None: sized to the content (+ headroom) at build time.
-        "disk_mib": positive_int(vm, "disk_mib", None, where, 16, 1 << 24),
-    }
-
-
-def load_env(env: dict, where: str) -> dict:
-    for k, v in env.items():
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
-            raise BuildError(f"{where}: {k!r} is not an environment variable name")
-        if not isinstance(v, str) or "\0" in v:
-            raise BuildError(f"{where}: {k} must be a string (without NUL)")
-    return dict(sorted(env.items()))
-
-
-def load_services(raw, where: str) -> list[dict]:
-    """`[[warmup.services]]`: long-lived guest programs started before the snapshot."""
-    if not isinstance(raw, list):
-        raise BuildError(f"{where}: services must be a list of tables ([[warmup.services]])")
-    services, names = [], set()
-    for i, svc in enumerate(raw):
-        swhere = f"{where} services #{i + 1}"
-        if not isinstance(svc, dict):
-            raise BuildError(f"{swhere}: must be a table with name and argv")
-        check_keys(svc, {"name", "argv", "env", "cwd", "user", "ready", "ready_timeout_s"}, swhere)
-        name = svc.get("name")
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
-            raise BuildError(f"{swhere}: name must be 1-64 letters, digits, '.', '_' or '-' (got {name!r})")
-        if name in names:
-            raise BuildError(f"{swhere}: duplicate service name {name!r}")
-        names.add(name)
-        out = {"name": name}
-        for key in ("argv", "ready"):
-            if key not in svc:
-                if key == "argv":
-                    raise BuildError(f"{swhere}: argv (the program and its arguments) is required")
-                continue
-            value = svc[key]
-            if not isinstance(value, list) or not value or not all(isinstance(v, str) and "\0" not in v for v in value) \
-                    or not value[0]:
-                raise BuildError(f"{swhere}: {key} must be a non-empty list of strings (a program and its arguments)")
-            out[key] = value
-        if "env" in svc:
-            if not isinstance(svc["env"], dict):
-                raise BuildError(f"{swhere}: env must be a table")
-            out["env"] = load_env(svc["env"], f"{swhere} env")
-        if "cwd" in svc:
-            out["cwd"] = guest_path(svc["cwd"], f"{swhere}: cwd")
-        user = svc.get("user", "root")
-        if user not in ("root", "user"):
-            raise BuildError(f"{swhere}: user must be \"root\" or \"user\" (got {user!r})")
-        out["user"] = user
-        out["ready_timeout_s"] = positive_int(svc, "ready_timeout_s", 300, swhere, 1, 3600)
-        services.append(out)
-    return services
-
-
-def load_warmup(warmup: dict, where: str) -> dict:
-    check_keys(warmup, {"code", "contexts", "spare", "services"}, where)
-    code = warmup.get("code", "")
-    if not isinstance(code, str):
-        raise BuildError(f"{where}: code must be a string")
-
-    raw_contexts = warmup.get("contexts", DEFAULT_CONTEXTS)
-    if not isinstance(raw_contexts, list):
-        raise BuildError(f"{where}: contexts must be a list of tables such as {{id = \"default\", language = \"python\"}}")
-    contexts, ids = [], set()
-    for i, ctx in enumerate(raw_contexts):
-        cwhere = f"{where} contexts #{i + 1}"
-        if not isinstance(ctx, dict):
-            raise BuildError(f"{cwhere}: must be a table such as {{id = \"default\", language = \"python\"}}")
-        check_keys(ctx, {"id", "language", "cwd", "env"}, cwhere)
-        cid = ctx.get("id")
-        if not isinstance(cid, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", cid):
-            raise BuildError(f"{cwhere}: id must be 1-64 letters, digits, '.', '_' or '-' (got {cid!r})")
-        if cid in ids:
-            raise BuildError(f"{cwhere}: duplicate context id {cid!r}")
-        ids.add(cid)
-        language = ctx.get("language", "python")
-        if language not in LANGUAGES:
-            raise BuildError(f"{cwhere}: language must be one of {', '.join(LANGUAGES)} (got {language!r})")
-        out = {"id": cid, "language": language}
-        if "cwd" in ctx:
-            out["cwd"] = guest_path(ctx["cwd"], f"{cwhere}: cwd")
-        if "env" in ctx:
-            if not isinstance(ctx["env"], dict):
-                raise BuildError(f"{cwhere}: env must be a table")
-            out["env"] = load_env(ctx["env"], f"{cwhere} env")
-        contexts.append(out)
-
-    raw_spare = warmup.get("spare", {})
-    if not isinstance(raw_spare, dict):
-        raise BuildError(f"{where}: spare must be a table such as {{python = 1, bash = 1}}")
-    check_keys(raw_spare, set(LANGUAGES), f"{where} spare")
-    spare = {lang: positive_int(raw_spare, lang, DEFAULT_SPARE[lang], f"{where} spare", 0, 64)
-             for lang in LANGUAGES}
-    out = {"code": code, "contexts": contexts, "spare": spare}
-    # Only when given, so that a recipe without services has the manifest it always had.
-    services = load_services(warmup.get("services", []), where)
-    if services:
-        out["services"] = services
-    return out
+    """The recipe in `path`, checked by ember (`check_recipe`), in the build's view."""
+    return recipe_from_json(check_recipe(path))
 
 
 def base_key(recipe: dict) -> str:
@@ -1226,8 +1053,13 @@ def main(argv: list[str]) -> int:
         prog="rootfs/build.sh",
         description="Build an ember root file system image (ext4) from a template recipe. "
                     "The last line on stdout is the image's absolute path.")
-    parser.add_argument("--template", default="default",
-                        help="template name in rootfs/templates/ or a path to a .toml (default: default)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--template", default="default",
+                        help="template name in rootfs/templates/ or a path to a .toml (default: default); "
+                             "checked with `ember template check` ($EMBER_BIN, else cargo run)")
+    source.add_argument("--recipe-json", metavar="PATH", type=Path,
+                        help="the checked recipe as `ember template check --json` prints it (what "
+                             "`ember template build` passes) instead of --template")
     parser.add_argument("--print-key", action="store_true",
                         help="print the template's cache key (image + manifest) and exit without building "
                              "(the agent is still built: its bytes are part of the key)")
@@ -1239,7 +1071,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     cache = Path(os.environ.get("EMBER_CACHE") or "/var/cache/ember").resolve()
-    recipe = load_recipe(template_path(args.template))
+    if args.recipe_json:
+        recipe = recipe_from_json(read_recipe_json(args.recipe_json))
+    else:
+        recipe = load_recipe(template_path(args.template))
     key1 = base_key(recipe)
     agent = prebuilt_agent(args.agent) if args.agent else build_agent()
     drivers = driver_files()

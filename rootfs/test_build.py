@@ -4,6 +4,7 @@ Run: python3 -m unittest discover -s rootfs -p 'test_*.py'
 """
 
 import os
+import shutil
 import sys
 import tempfile
 import unittest
@@ -21,16 +22,155 @@ def write(dir_: Path, name: str, text: str) -> Path:
     return path
 
 
-MINIMAL = '[debian]\nsuite = "bookworm"\npackages = ["python3"]\n'
+def checked(**changes) -> dict:
+    """A recipe as `ember template check --json` prints it (the minimal one: [debian] with
+    python3, everything else defaulted), with `changes` merged into its tables."""
+    recipe = {
+        "name": "t", "description": "", "outputs": "/workspace/outputs",
+        "debian": {"suite": "bookworm", "variant": "minbase", "packages": ["python3"]},
+        "pip": {"packages": []}, "files": [], "checks": {"python": []},
+        "vm": {"vcpus": 1, "memory_mib": 512, "disk_mib": None, "network": True},
+        "warmup": {"code": "", "contexts": [{"id": "default", "language": "python"}],
+                   "spare": {"bash": 1, "python": 1}},
+        "env": {},
+    }
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(recipe.get(key), dict) and key != "env":
+            recipe[key] = {**recipe[key], **value}
+        else:
+            recipe[key] = value
+    return {"ember_recipe": build.RECIPE_FORMAT, "file": "/recipes/t.toml", "recipe": recipe}
+
+
+def ember_available() -> bool:
+    return bool(os.environ.get("EMBER_BIN")) or shutil.which("cargo") is not None \
+        or (Path.home() / ".cargo/bin/cargo").exists()
 
 
 class RecipeTests(unittest.TestCase):
+    """The build's view of a checked recipe (the checking is Rust's: runtime/src/template/schema.rs)."""
+
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
         self.dir = Path(self.tmp.name)
 
     def tearDown(self):
         self.tmp.cleanup()
+
+    def test_checked_recipe_is_flattened(self):
+        write(self.dir, "motd", "hi\n")
+        recipe = build.recipe_from_json(checked(
+            files=[{"path": "/etc/motd", "source": str(self.dir / "motd"), "mode": 0o644},
+                   {"path": "/etc/x", "content": "x", "mode": 0o600}],
+            pip={"packages": ["six==1.16.0"]}, checks={"python": ["import json"]}))
+        self.assertEqual(recipe["name"], "t")
+        self.assertEqual((recipe["suite"], recipe["variant"], recipe["packages"]), ("bookworm", "minbase", ["python3"]))
+        self.assertEqual(recipe["pip"], ["six==1.16.0"])
+        self.assertEqual(recipe["checks"], ["import json"])
+        self.assertEqual(recipe["files"], [{"path": "/etc/motd", "data": b"hi\n", "mode": 0o644},
+                                           {"path": "/etc/x", "data": b"x", "mode": 0o600}])
+        self.assertEqual(recipe["vm"], {"vcpus": 1, "memory_mib": 512, "disk_mib": None, "network": True})
+        self.assertEqual(recipe["outputs"], "/workspace/outputs")
+
+    def test_only_checked_recipes_of_this_format_are_read(self):
+        for doc in ({**checked(), "ember_recipe": build.RECIPE_FORMAT + 1}, {"recipe": {}}, []):
+            with self.subTest(doc=doc):
+                with self.assertRaises(build.BuildError) as ctx:
+                    build.recipe_from_json(doc)
+                self.assertIn("not a checked recipe", str(ctx.exception))
+        path = write(self.dir, "r.json", "{")
+        with self.assertRaises(build.BuildError):
+            build.read_recipe_json(path)
+
+    def test_key_ignores_warmup_but_not_packages(self):
+        base = build.recipe_from_json(checked(warmup={"code": "import a"}))
+        warm = build.recipe_from_json(checked(warmup={"code": "import b"}))
+        more = build.recipe_from_json(checked(debian={"packages": ["python3", "curl"]}))
+        self.assertEqual(build.base_key(base), build.base_key(warm))
+        self.assertNotEqual(build.base_key(base), build.base_key(more))
+        self.assertRegex(build.base_key(base), "^[0-9a-f]{64}$")
+
+    def keys(self, doc: dict, drivers=None) -> tuple[str, str, str]:
+        recipe = build.recipe_from_json(doc)
+        agent = write(self.dir, "agent", "agent bytes")
+        key1 = build.base_key(recipe)
+        key2 = build.image_key(key1, agent, recipe, drivers or [])
+        return key1, key2, build.template_key(key2, recipe)
+
+    def test_image_key_rules(self):
+        k1, k2, k3 = self.keys(checked())
+        # disk_mib changes the image (layer 2) but not the tree (layer 1).
+        d1, d2, d3 = self.keys(checked(vm={"disk_mib": 2048}))
+        self.assertEqual(d1, k1)
+        self.assertNotEqual(d2, k2)
+        # vcpus/memory, warm-up, contexts, spare, env, outputs, description: only the template key.
+        for extra in ({"vm": {"vcpus": 2, "memory_mib": 2048}},
+                      {"warmup": {"code": "import numpy"}},
+                      {"warmup": {"contexts": [{"id": "x", "language": "bash"}]}},
+                      {"warmup": {"spare": {"bash": 1, "python": 3}}},
+                      {"env": {"MPLCONFIGDIR": "/x"}},
+                      {"outputs": "/out", "description": "x"}):
+            with self.subTest(extra=extra):
+                e1, e2, e3 = self.keys(checked(**extra))
+                self.assertEqual((e1, e2), (k1, k2))
+                self.assertNotEqual(e3, k3)
+        # Build checks run when the tree is built: layer 1.
+        c1, _, _ = self.keys(checked(checks={"python": ["import json"]}))
+        self.assertNotEqual(c1, k1)
+
+    def test_driver_files_are_hashed(self):
+        src = self.dir / "python"
+        self.assertEqual(build.driver_files(src), [])  # missing directory: the empty set
+        src.mkdir()
+        self.assertEqual(build.driver_files(src), [])
+        write(src, "ember_driver.py", "print(1)\n")
+        write(src, ".hidden", "x")
+        write(src, "x.pyc", "x")
+        write(src, "__pycache__/ember_driver.cpython-311.pyc", "x")
+        files = build.driver_files(src)
+        self.assertEqual([name for name, _ in files], ["ember_driver.py"])
+        _, none_key, _ = self.keys(checked())
+        _, one_key, _ = self.keys(checked(), files)
+        self.assertNotEqual(none_key, one_key)
+        write(src, "ember_driver.py", "print(2)\n")
+        _, changed_key, _ = self.keys(checked(), build.driver_files(src))
+        self.assertNotEqual(changed_key, one_key)
+        write(src, "helper.py", "")
+        _, two_key, _ = self.keys(checked(), build.driver_files(src))
+        self.assertNotEqual(two_key, changed_key)
+
+    def test_image_size(self):
+        mib = 1 << 20
+        size, inodes = build.image_size(300 * mib, 20000, None)
+        self.assertEqual(size % (4 * mib), 0)
+        self.assertGreaterEqual(size, 300 * mib + build.HEADROOM)
+        self.assertEqual(inodes, 22000)
+        size, inodes = build.image_size(300 * mib, 20000, 1024)
+        self.assertEqual(size, 1024 * mib)
+        self.assertEqual(inodes, 1024 * mib // build.BYTES_PER_INODE)
+        with self.assertRaises(build.BuildError) as ctx:
+            build.image_size(300 * mib, 20000, 256)
+        self.assertIn("does not fit in [vm] disk_mib = 256", str(ctx.exception))
+
+    def test_manifest_fields(self):
+        recipe = build.recipe_from_json(checked(
+            vm={"memory_mib": 1024, "disk_mib": 2560}, env={"MPLCONFIGDIR": "/etc/ember/matplotlib"}))
+        facts = {"image_bytes": 2560 << 20, "content_bytes": 1, "label": "ember-root", "uuid": "u",
+                 "agent_sha256": "a", "drivers": {"/usr/lib/ember/ember_driver.py": "d"}, "built_at": "t"}
+        m = build.manifest(recipe, "k1", "k2", "k3", facts)
+        self.assertEqual(m["vm"], {"vcpus": 1, "memory_mib": 1024, "network": True, "disk_mib": 2560})
+        self.assertEqual(m["key"], "k3")
+        self.assertEqual(m["image"], "rootfs.ext4")
+        self.assertEqual(m["python_driver"], "/usr/lib/ember/ember_driver.py")
+        self.assertEqual(m["user"]["uid"], 1000)
+        self.assertEqual(m["outputs"], "/workspace/outputs")
+        self.assertEqual(m["env"]["MPLCONFIGDIR"], "/etc/ember/matplotlib")
+        self.assertEqual(m["warmup"]["spare"], {"python": 1, "bash": 1})
+
+
+@unittest.skipUnless(ember_available(), "needs ember ($EMBER_BIN) or cargo to check recipes")
+class CheckedRecipeTests(unittest.TestCase):
+    """Recipes as ember checks them (`ember template check --json`, $EMBER_BIN or cargo run)."""
 
     def test_default_template_loads(self):
         recipe = build.load_recipe(build.TEMPLATES_DIR / "default.toml")
@@ -44,6 +184,7 @@ class RecipeTests(unittest.TestCase):
         self.assertEqual(recipe["warmup"]["contexts"], [{"id": "default", "language": "python"}])
         self.assertEqual(recipe["warmup"]["spare"], {"python": 1, "bash": 1})
         self.assertEqual(recipe["vm"], {"network": True, "vcpus": 1, "memory_mib": 512, "disk_mib": 1024})
+        self.assertNotIn("services", recipe["warmup"])
 
     def test_python_data_template_loads(self):
         recipe = build.load_recipe(build.TEMPLATES_DIR / "python-data.toml")
@@ -72,183 +213,16 @@ class RecipeTests(unittest.TestCase):
         self.assertEqual(relay["ready_timeout_s"], 1800)
         self.assertIn("HTTP/1.1", relay["ready"][-1])
 
-    def test_services_are_left_out_when_none(self):
-        recipe = build.load_recipe(write(self.dir, "t.toml", MINIMAL))
-        self.assertNotIn("services", recipe["warmup"])
-        text = MINIMAL + '[[warmup.services]]\nname = "s"\nargv = ["/bin/sleep", "1"]\nenv = { A = "b" }\n'
-        recipe = build.load_recipe(write(self.dir, "s.toml", text))
-        self.assertEqual(recipe["warmup"]["services"], [
-            {"name": "s", "argv": ["/bin/sleep", "1"], "env": {"A": "b"}, "user": "root", "ready_timeout_s": 300},
-        ])
+    def test_a_misspelt_key_fails_with_file_key_and_suggestion(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write(Path(tmp), "bad.toml",
+                         '[debian]\nsuite = "bookworm"\n[warmup]\nservces = []\n')
+            with self.assertRaises(build.BuildError) as ctx:
+                build.load_recipe(path)
+        message = str(ctx.exception)
+        self.assertIn(f"{path}:4", message)
+        self.assertIn("unknown key `warmup.servces`: did you mean `services`?", message)
 
-    def test_new_sections_default(self):
-        recipe = build.load_recipe(write(self.dir, "t.toml", MINIMAL))
-        self.assertEqual(recipe["vm"], {"network": True, "vcpus": 1, "memory_mib": 512, "disk_mib": None})
-        self.assertEqual(recipe["warmup"], {"code": "", "contexts": [{"id": "default", "language": "python"}],
-                                            "spare": {"python": 1, "bash": 1}})
-        self.assertEqual(recipe["env"], {})
-        self.assertEqual(recipe["outputs"], "/workspace/outputs")
-        self.assertEqual(recipe["checks"], [])
-
-    def test_new_sections_parse(self):
-        text = ('outputs = "/workspace//out/"\n' + MINIMAL +
-                '[vm]\nvcpus = 2\nmemory_mib = 1024\ndisk_mib = 900\n'
-                '[warmup]\ncode = "import os"\nspare = { bash = 0 }\n'
-                'contexts = [{ id = "default" }, { id = "sh", language = "bash", cwd = "/tmp", env = { A = "1" } }]\n'
-                '[env]\nMPLCONFIGDIR = "/etc/ember/matplotlib"\nB = ""\n'
-                '[checks]\npython = ["import json"]\n')
-        recipe = build.load_recipe(write(self.dir, "t.toml", text))
-        self.assertEqual(recipe["outputs"], "/workspace/out")
-        self.assertEqual(recipe["vm"], {"network": True, "vcpus": 2, "memory_mib": 1024, "disk_mib": 900})
-        self.assertEqual(recipe["warmup"]["contexts"], [
-            {"id": "default", "language": "python"},
-            {"id": "sh", "language": "bash", "cwd": "/tmp", "env": {"A": "1"}}])
-        self.assertEqual(recipe["warmup"]["spare"], {"python": 1, "bash": 0})
-        self.assertEqual(recipe["env"], {"B": "", "MPLCONFIGDIR": "/etc/ember/matplotlib"})
-        self.assertEqual(recipe["checks"], ["import json"])
-
-    def test_defaults_and_files(self):
-        write(self.dir, "motd", "hi\n")
-        path = write(self.dir, "t.toml", MINIMAL + '[[files]]\npath = "/etc/motd"\nsource = "motd"\n'
-                     '[[files]]\npath = "/etc/x"\ncontent = "x"\nmode = "0600"\n')
-        recipe = build.load_recipe(path)
-        self.assertEqual(recipe["name"], "t")
-        self.assertEqual(recipe["files"][0], {"path": "/etc/motd", "data": b"hi\n", "mode": 0o644})
-        self.assertEqual(recipe["files"][1]["mode"], 0o600)
-
-    def test_schema_errors_are_clear(self):
-        cases = {
-            "[debian]\nsuite = \"bookworm\"\npackage = [\"x\"]\n": "unknown key(s) package",
-            "[debian]\npackages = []\n": "suite must be",
-            MINIMAL + "[pip]\npackages = [\"--index-url=x\"]\n": "options are not allowed",
-            MINIMAL + "[[files]]\npath = \"etc/x\"\ncontent = \"\"\n": "absolute path",
-            MINIMAL + "[[files]]\npath = \"/x\"\ncontent = \"\"\nmode = \"rw\"\n": "octal",
-            MINIMAL + "[[files]]\npath = \"/x\"\n": "exactly one of content",
-            MINIMAL + "[warmup]\ncode = 1\n": "code must be a string",
-            MINIMAL + "[warmup]\ncod = \"x\"\n": "unknown key(s) cod",
-            MINIMAL + "[warmup]\ncontexts = [{ id = \"a\", lang = \"python\" }]\n": "unknown key(s) lang",
-            MINIMAL + "[warmup]\ncontexts = [{ language = \"python\" }]\n": "id must be",
-            MINIMAL + "[warmup]\ncontexts = [{ id = \"a\", language = \"ruby\" }]\n": "language must be one of",
-            MINIMAL + "[warmup]\ncontexts = [{ id = \"a\" }, { id = \"a\" }]\n": "duplicate context id",
-            MINIMAL + "[warmup]\ncontexts = \"default\"\n": "contexts must be a list",
-            MINIMAL + "[warmup]\nspare = { ruby = 1 }\n": "unknown key(s) ruby",
-            MINIMAL + "[warmup]\nspare = { python = -1 }\n": "python must be an integer",
-            MINIMAL + "[[warmup.services]]\nname = \"s\"\n": "argv (the program and its arguments) is required",
-            MINIMAL + "[[warmup.services]]\nname = \"s\"\nargv = []\n": "argv must be a non-empty list",
-            MINIMAL + "[[warmup.services]]\nname = \"a b\"\nargv = [\"x\"]\n": "name must be",
-            MINIMAL + "[[warmup.services]]\nname = \"s\"\nargv = [\"x\"]\nuser = \"nobody\"\n": "user must be",
-            MINIMAL + "[[warmup.services]]\nname = \"s\"\nargv = [\"x\"]\nready = \"x\"\n": "ready must be a non-empty list",
-            MINIMAL + "[[warmup.services]]\nname = \"s\"\nargv = [\"x\"]\nport = 1\n": "unknown key(s) port",
-            MINIMAL + "[[warmup.services]]\nname = \"s\"\nargv = [\"x\"]\nready_timeout_s = 0\n": "ready_timeout_s must be",
-            MINIMAL + "[[warmup.services]]\nname = \"s\"\nargv = [\"x\"]\n[[warmup.services]]\nname = \"s\"\nargv = [\"y\"]\n": "duplicate service name",
-            MINIMAL + "[vm]\ncpus = 2\n": "unknown key(s) cpus",
-            MINIMAL + "[vm]\nvcpus = 0\n": "vcpus must be an integer",
-            MINIMAL + "[vm]\nvcpus = true\n": "vcpus must be an integer",
-            MINIMAL + "[vm]\nmemory_mib = \"512\"\n": "memory_mib must be an integer",
-            MINIMAL + "[vm]\ndisk_mib = 1.5\n": "disk_mib must be an integer",
-            MINIMAL + "[vm]\nnetwork = 1\n": "network must be true or false",
-            MINIMAL + "[env]\n\"A-B\" = \"x\"\n": "not an environment variable name",
-            MINIMAL + "[env]\nA = 1\n": "A must be a string",
-            MINIMAL + "[checks]\npython = \"import x\"\n": "must be a list",
-            MINIMAL + "[checks]\nimports = []\n": "unknown key(s) imports",
-            "outputs = \"out\"\n" + MINIMAL: "outputs must be an absolute guest path",
-            "env = 1\n" + MINIMAL: "[env] must be a table",
-            "vm = 1\n" + MINIMAL: "[vm] must be a table",
-            "extra = 1\n" + MINIMAL: "unknown key(s) extra",
-            "name = \"a b\"\n" + MINIMAL: "name",
-            "[debian\n": "not valid TOML",
-        }
-        for text, message in cases.items():
-            with self.subTest(text=text):
-                with self.assertRaises(build.BuildError) as ctx:
-                    build.load_recipe(write(self.dir, "bad.toml", text))
-                self.assertIn(message, str(ctx.exception))
-
-    def test_key_ignores_warmup_but_not_packages(self):
-        base = build.load_recipe(write(self.dir, "a.toml", MINIMAL + '[warmup]\ncode = "import a"\n'))
-        warm = build.load_recipe(write(self.dir, "b.toml", MINIMAL + '[warmup]\ncode = "import b"\n'))
-        more = build.load_recipe(write(self.dir, "c.toml", MINIMAL.replace('"python3"', '"python3", "curl"')))
-        self.assertEqual(build.base_key(base), build.base_key(warm))
-        self.assertNotEqual(build.base_key(base), build.base_key(more))
-        self.assertRegex(build.base_key(base), "^[0-9a-f]{64}$")
-
-    def keys(self, text: str, drivers=None) -> tuple[str, str, str]:
-        recipe = build.load_recipe(write(self.dir, "k.toml", text))
-        agent = write(self.dir, "agent", "agent bytes")
-        key1 = build.base_key(recipe)
-        key2 = build.image_key(key1, agent, recipe, drivers or [])
-        return key1, key2, build.template_key(key2, recipe)
-
-    def test_image_key_rules(self):
-        k1, k2, k3 = self.keys(MINIMAL)
-        # disk_mib changes the image (layer 2) but not the tree (layer 1).
-        d1, d2, d3 = self.keys(MINIMAL + "[vm]\ndisk_mib = 2048\n")
-        self.assertEqual(d1, k1)
-        self.assertNotEqual(d2, k2)
-        # vcpus/memory, warm-up, contexts, spare, env, outputs, description: only the template key.
-        for extra in ('[vm]\nvcpus = 2\nmemory_mib = 2048\n',
-                      '[warmup]\ncode = "import numpy"\n',
-                      '[warmup]\ncontexts = [{ id = "x", language = "bash" }]\n',
-                      '[warmup]\nspare = { python = 3 }\n',
-                      '[env]\nMPLCONFIGDIR = "/x"\n'):
-            with self.subTest(extra=extra):
-                e1, e2, e3 = self.keys(MINIMAL + extra)
-                self.assertEqual((e1, e2), (k1, k2))
-                self.assertNotEqual(e3, k3)
-        o1, o2, o3 = self.keys('outputs = "/out"\ndescription = "x"\n' + MINIMAL)
-        self.assertEqual((o1, o2), (k1, k2))
-        self.assertNotEqual(o3, k3)
-        # Build checks run when the tree is built: layer 1.
-        c1, _, _ = self.keys(MINIMAL + '[checks]\npython = ["import json"]\n')
-        self.assertNotEqual(c1, k1)
-
-    def test_driver_files_are_hashed(self):
-        src = self.dir / "python"
-        self.assertEqual(build.driver_files(src), [])  # missing directory: the empty set
-        src.mkdir()
-        self.assertEqual(build.driver_files(src), [])
-        write(src, "ember_driver.py", "print(1)\n")
-        write(src, ".hidden", "x")
-        write(src, "x.pyc", "x")
-        write(src, "__pycache__/ember_driver.cpython-311.pyc", "x")
-        files = build.driver_files(src)
-        self.assertEqual([name for name, _ in files], ["ember_driver.py"])
-        _, none_key, _ = self.keys(MINIMAL)
-        _, one_key, _ = self.keys(MINIMAL, files)
-        self.assertNotEqual(none_key, one_key)
-        write(src, "ember_driver.py", "print(2)\n")
-        _, changed_key, _ = self.keys(MINIMAL, build.driver_files(src))
-        self.assertNotEqual(changed_key, one_key)
-        write(src, "helper.py", "")
-        _, two_key, _ = self.keys(MINIMAL, build.driver_files(src))
-        self.assertNotEqual(two_key, changed_key)
-
-    def test_image_size(self):
-        mib = 1 << 20
-        size, inodes = build.image_size(300 * mib, 20000, None)
-        self.assertEqual(size % (4 * mib), 0)
-        self.assertGreaterEqual(size, 300 * mib + build.HEADROOM)
-        self.assertEqual(inodes, 22000)
-        size, inodes = build.image_size(300 * mib, 20000, 1024)
-        self.assertEqual(size, 1024 * mib)
-        self.assertEqual(inodes, 1024 * mib // build.BYTES_PER_INODE)
-        with self.assertRaises(build.BuildError) as ctx:
-            build.image_size(300 * mib, 20000, 256)
-        self.assertIn("does not fit in [vm] disk_mib = 256", str(ctx.exception))
-
-    def test_manifest_fields(self):
-        recipe = build.load_recipe(build.TEMPLATES_DIR / "python-data.toml")
-        facts = {"image_bytes": 2560 << 20, "content_bytes": 1, "label": "ember-root", "uuid": "u",
-                 "agent_sha256": "a", "drivers": {"/usr/lib/ember/ember_driver.py": "d"}, "built_at": "t"}
-        m = build.manifest(recipe, "k1", "k2", "k3", facts)
-        self.assertEqual(m["vm"], {"vcpus": 1, "memory_mib": 1024, "network": True, "disk_mib": 2560})
-        self.assertEqual(m["key"], "k3")
-        self.assertEqual(m["image"], "rootfs.ext4")
-        self.assertEqual(m["python_driver"], "/usr/lib/ember/ember_driver.py")
-        self.assertEqual(m["user"]["uid"], 1000)
-        self.assertEqual(m["outputs"], "/workspace/outputs")
-        self.assertEqual(m["env"]["MPLCONFIGDIR"], "/etc/ember/matplotlib")
-        self.assertEqual(m["warmup"]["spare"], {"python": 1, "bash": 1})
 
 
 class TreeTests(unittest.TestCase):

@@ -31,7 +31,9 @@ if ! $prereqs_ok; then
 fi
 
 cargo build --workspace --bins
-python3 -m unittest discover -s rootfs -p "test_*.py"
+# rootfs/build.py reads recipes as `ember template check` prints them: the binary just built.
+EMBER_BIN="${EMBER_BIN:-${CARGO_TARGET_DIR:-target}/debug/ember}" \
+    python3 -m unittest discover -s rootfs -p "test_*.py"
 
 # Each skip (ember_tests::skip) appends `<test>: <why>` here.
 EMBER_SKIP_LOG=$(mktemp -t ember-skips.XXXXXX)

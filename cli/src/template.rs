@@ -1,11 +1,11 @@
-//! `ember template build|ls|rm`.
+//! `ember template build|check|ls|rm`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::{Args, Subcommand};
-use ember_runtime::template::{BuildEvent, BuildOptions, Template};
+use ember_runtime::template::{recipe_path, BuildEvent, BuildOptions, Recipe, Template};
 
 use crate::fail;
 
@@ -14,6 +14,16 @@ use crate::fail;
 pub enum TemplateCmd {
     /// Build a template (rootfs, boot, warm-up, snapshot); a no-op when nothing changed.
     Build(BuildArgs),
+    /// Check a recipe against the template schema (every key, type and value); a misspelt key
+    /// is named with its table path and the nearest valid name.
+    Check {
+        /// A template name (rootfs/templates/NAME.toml) or a path to a recipe (.toml).
+        recipe: String,
+        /// Print the checked recipe, normalised (defaults filled in), as JSON: what the rootfs
+        /// build (rootfs/build.py) reads.
+        #[arg(long)]
+        json: bool,
+    },
     /// List built templates.
     Ls {
         /// One JSON object per line.
@@ -50,6 +60,7 @@ pub struct BuildArgs {
 pub fn main(cmd: TemplateCmd) -> ExitCode {
     match cmd {
         TemplateCmd::Build(a) => build(a),
+        TemplateCmd::Check { recipe, json } => check(&recipe, json),
         TemplateCmd::Ls { json } => ls(json),
         TemplateCmd::Rm { name } => match Template::remove(&name) {
             Ok(t) => {
@@ -107,6 +118,24 @@ fn build(a: BuildArgs) -> ExitCode {
                 );
                 println!("{}", t.dir.display());
             }
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(e),
+    }
+}
+
+fn check(recipe: &str, json: bool) -> ExitCode {
+    let file = match recipe_path(recipe) {
+        Ok(f) => f,
+        Err(e) => return fail(e),
+    };
+    match Recipe::load(&file) {
+        Ok(r) if json => {
+            println!("{}", r.builder_json(&file));
+            ExitCode::SUCCESS
+        }
+        Ok(r) => {
+            println!("{}: template {} is valid", file.display(), r.name());
             ExitCode::SUCCESS
         }
         Err(e) => fail(e),
