@@ -34,7 +34,7 @@ pub fn rootfs() -> PathBuf {
     std::env::var_os("EMBER_TEST_ROOTFS")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
-            ember_runtime::images::default_rootfs("default").expect("default rootfs")
+            ember_runtime::template::default_rootfs("default").expect("default rootfs")
         })
 }
 

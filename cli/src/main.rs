@@ -91,7 +91,10 @@ fn main() -> ExitCode {
         Cmd::Vm(c) => vm::main(c),
         Cmd::Bench(c) => ember_bench_cli::main(c),
         Cmd::Images { template } => {
-            match (images::default_kernel(), images::default_rootfs(&template)) {
+            match (
+                images::default_kernel(),
+                ember_runtime::template::default_rootfs(&template),
+            ) {
                 (Ok(k), Ok(r)) => {
                     println!("kernel: {}\nrootfs: {}", k.display(), r.display());
                     ExitCode::SUCCESS

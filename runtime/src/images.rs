@@ -2,11 +2,8 @@
 //! the content-addressed cache (`$EMBER_CACHE`, default `/var/cache/ember`). Building is
 //! idempotent: a cache hit costs a hash of the inputs.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-
-use crate::template::Recipe;
 
 /// Errors locating or building images.
 #[derive(Debug, thiserror::Error)]
@@ -35,7 +32,7 @@ pub enum ImageError {
     },
     /// The template recipe is not valid (or could not be read). Boxed: it is large, and rare.
     #[error(transparent)]
-    Recipe(Box<crate::template::RecipeError>),
+    Recipe(Box<dyn std::error::Error + Send + Sync>),
     /// The checked recipe could not be handed to the rootfs build.
     #[error("cannot write the checked recipe to {path}: {source}")]
     RecipeHandOff {
@@ -54,12 +51,6 @@ pub enum ImageError {
     },
 }
 
-impl From<crate::template::RecipeError> for ImageError {
-    fn from(e: crate::template::RecipeError) -> Self {
-        ImageError::Recipe(Box::new(e))
-    }
-}
-
 /// The repo checkout: `$EMBER_SRC`, else where this binary was built from.
 pub fn source_root() -> Result<PathBuf, ImageError> {
     let root = std::env::var_os("EMBER_SRC")
@@ -72,7 +63,7 @@ pub fn source_root() -> Result<PathBuf, ImageError> {
     }
 }
 
-fn run_script(script: &Path, args: &[&str]) -> Result<PathBuf, ImageError> {
+pub fn run_script(script: &Path, args: &[&str]) -> Result<PathBuf, ImageError> {
     let out = Command::new("bash")
         .arg(script)
         .args(args)
@@ -105,28 +96,4 @@ fn run_script(script: &Path, args: &[&str]) -> Result<PathBuf, ImageError> {
 pub fn default_kernel() -> Result<PathBuf, ImageError> {
     let script = source_root()?.join("guest-kernel/build.sh");
     Ok(run_script(&script, &[])?.join("vmlinux"))
-}
-
-/// The root filesystem image of `template` (a name in `rootfs/templates/` or a recipe file),
-/// built if the cache lacks it. The recipe is checked here ([`Recipe::load`]: the schema is
-/// Rust's) and `rootfs/build.sh` builds from the normalised recipe it is handed
-/// (`--recipe-json`), never from the TOML.
-pub fn default_rootfs(template: &str) -> Result<PathBuf, ImageError> {
-    let script = source_root()?.join("rootfs/build.sh");
-    let file = crate::template::recipe_path(template)?;
-    let recipe = Recipe::load(&file)?;
-    let hand_off = |source| ImageError::RecipeHandOff {
-        path: std::env::temp_dir(),
-        source,
-    };
-    let mut json = tempfile::Builder::new()
-        .prefix("ember-recipe-")
-        .suffix(".json")
-        .tempfile()
-        .map_err(hand_off)?;
-    serde_json::to_writer(&mut json, &recipe.builder_json(&file))
-        .map_err(|e| hand_off(e.into()))?;
-    json.flush().map_err(hand_off)?;
-    let path = json.path().to_string_lossy().into_owned();
-    run_script(&script, &["--recipe-json", &path])
 }

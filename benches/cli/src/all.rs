@@ -1062,7 +1062,7 @@ pub fn main(a: BenchAllArgs) -> ExitCode {
     };
     let rootfs = match &a.rootfs {
         Some(r) => r.clone(),
-        None => match ember_runtime::images::default_rootfs("default") {
+        None => match ember_runtime::template::default_rootfs("default") {
             Ok(r) => r,
             Err(e) => return fail(e),
         },

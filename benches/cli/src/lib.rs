@@ -178,7 +178,7 @@ pub fn resolve_images(g: &GuestArgs) -> Result<(PathBuf, PathBuf), String> {
     };
     let rootfs = match &g.rootfs {
         Some(r) => r.clone(),
-        None => images::default_rootfs(&g.template).map_err(|e| e.to_string())?,
+        None => ember_runtime::template::default_rootfs(&g.template).map_err(|e| e.to_string())?,
     };
     for (what, p) in [("kernel", &kernel), ("root filesystem", &rootfs)] {
         if !p.is_file() {

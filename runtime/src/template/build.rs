@@ -73,7 +73,7 @@ impl Template {
         )));
         let rootfs = match &opts.rootfs {
             Some(r) => r.clone(),
-            None => images::default_rootfs(&recipe_ref)?,
+            None => super::schema::default_rootfs(&recipe_ref)?,
         };
         let manifest = read_manifest(&rootfs)?;
         let profile = ember_vmm::HostKvm::detect().default_profile();

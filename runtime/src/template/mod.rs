@@ -44,8 +44,8 @@ pub mod schema;
 pub use build::{BuildEvent, BuildOptions};
 pub use key::{sha256_file, template_key};
 pub use schema::{
-    recipe_path, ChecksSpec, ContextSpec, DebianSpec, FileMode, FileSpec, PipSpec, Recipe,
-    RecipeError, RootfsManifest, ServiceSpec, VmShape, VmSpec, WarmupSpec,
+    default_rootfs, recipe_path, ChecksSpec, ContextSpec, DebianSpec, FileMode, FileSpec, PipSpec,
+    Recipe, RecipeError, RootfsManifest, ServiceSpec, VmShape, VmSpec, WarmupSpec,
 };
 
 /// The agent's vsock port.
