@@ -47,6 +47,9 @@ use proc::{poll, wait_ready, BashFiles, DriverEvent, Proc};
 /// takes seconds where guest syscalls and first page touches are slow (kvm_pvm).
 pub const KILL_AFTER: Duration = Duration::from_secs(10);
 
+/// How often a bash cell that has not stopped gets SIGINT again (see `Contexts::pump`).
+const BASH_SIGINT_AGAIN: Duration = Duration::from_millis(200);
+
 /// Id of the python context used when `run_code` names none.
 pub const DEFAULT_PYTHON: &str = "default";
 
@@ -334,6 +337,8 @@ struct Run<'a> {
     host_gone: bool,
     timed_out: bool,
     sigint_at: Option<Instant>,
+    /// When SIGINT was last sent (bash cells get it again until they end: see `pump`).
+    sigint_last: Option<Instant>,
     forward_results: bool,
 }
 
@@ -369,7 +374,14 @@ impl Run<'_> {
         if self.sigint_at.is_none() {
             sys::signal_group(pid, libc::SIGINT);
             self.sigint_at = Some(Instant::now());
+            self.sigint_last = self.sigint_at;
         }
+    }
+
+    /// SIGINT again (a bash cell that has not ended since the last one).
+    fn sigint_again(&mut self, pid: libc::pid_t) {
+        sys::signal_group(pid, libc::SIGINT);
+        self.sigint_last = Some(Instant::now());
     }
 }
 
@@ -573,7 +585,7 @@ impl Contexts {
              case $? in 0) ;; 1) exit 0 ;; *) continue ;; esac\n\
              . {dir_q}/cell\n\
              __ember_st=$?\n\
-             [ \"$__ember_op\" = e ] && . {dir_q}/restore\n\
+             [ \"$__ember_op\" = e ] && {{ trap '' INT; . {dir_q}/restore; trap 'return 130 2>/dev/null' INT; }}\n\
              printf '%d\\n' \"$__ember_st\" >&3\n\
              done\n"
         );
@@ -688,6 +700,7 @@ impl Contexts {
                             host_gone: false,
                             timed_out: false,
                             sigint_at: None,
+                            sigint_last: None,
                             forward_results: false,
                         },
                         Some(Instant::now() + self.config.fork_timeout),
@@ -1029,6 +1042,7 @@ impl Contexts {
             host_gone: false,
             timed_out: false,
             sigint_at: None,
+            sigint_last: None,
             forward_results: true,
         };
         let outcome = match slot.proc.as_mut() {
@@ -1207,10 +1221,16 @@ impl Contexts {
         let mut deadline = deadline;
         loop {
             let kill_at = run.sigint_at.map(|t| t + KILL_AFTER);
-            let wake = match (deadline, kill_at) {
-                (Some(d), Some(k)) => Some(d.min(k)),
-                (d, k) => d.or(k),
+            // bash: a SIGINT that lands while bash is still in its `read` of the cell request
+            // (a loaded host) is spent on that read, and the cell then runs until KILL_AFTER.
+            // So a bash cell gets SIGINT again every BASH_SIGINT_AGAIN until it ends; one that
+            // lands after the cell is harmless (the loop's `read` is retried, and the env
+            // restore runs with SIGINT ignored).
+            let again_at = match lang {
+                Lang::Bash => run.sigint_last.map(|t| t + BASH_SIGINT_AGAIN),
+                Lang::Python => None,
             };
+            let wake = [deadline, kill_at, again_at].into_iter().flatten().min();
             let [ctl, out, err, pidfd] = proc.poll_fds();
             let peer = if run.host_gone {
                 -1
@@ -1244,6 +1264,8 @@ impl Contexts {
                     run.timed_out = true;
                     deadline = None;
                     run.sigint(proc.pid);
+                } else if again_at.is_some_and(|a| now >= a) {
+                    run.sigint_again(proc.pid);
                 }
                 continue;
             };
@@ -1429,6 +1451,7 @@ impl Contexts {
                 host_gone: false,
                 timed_out: false,
                 sigint_at: None,
+                sigint_last: None,
                 forward_results: false,
             };
             let outcome = self.run_in(
