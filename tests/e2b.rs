@@ -526,11 +526,12 @@ fn e2b_sdks_work_unchanged_against_ember_serve() {
 
 /// A background process started through the E2B Python SDK (with a tag, through envd's
 /// `process.Start`) keeps its tag and command across a graceful restart of `ember serve`, and
-/// the SDK re-attaches to it afterwards: processes' records are the runtime's (in its store),
-/// not the E2B adapter's.
+/// the SDK re-attaches to it afterwards; a polling watcher created before the restart reports
+/// a file written after it. Processes' records and watchers are the runtime's (in its
+/// store), not the E2B adapter's.
 #[test]
-fn e2b_process_tag_and_attach_survive_a_server_restart() {
-    const NAME: &str = "e2b_process_tag_and_attach_survive_a_server_restart";
+fn e2b_process_tag_attach_and_watcher_survive_a_server_restart() {
+    const NAME: &str = "e2b_process_tag_attach_and_watcher_survive_a_server_restart";
     let sdks = find_sdks();
     let python = match &sdks.python {
         Ok(p) => p.clone(),
@@ -559,14 +560,19 @@ fn e2b_process_tag_and_attach_survive_a_server_restart() {
         .output
         .lines()
         .find(|l| l.starts_with("sandbox "))
-        .unwrap_or_else(|| panic!("no `sandbox ID pid PID` line:\n{}", run.output));
+        .unwrap_or_else(|| panic!("no `sandbox ID pid PID watcher W` line:\n{}", run.output));
     let words: Vec<&str> = line.split_whitespace().collect();
-    let (id, pid) = (words[1].to_string(), words[3].to_string());
+    assert_eq!(words.len(), 6, "{line}");
+    let (id, pid, watcher) = (
+        words[1].to_string(),
+        words[3].to_string(),
+        words[5].to_string(),
+    );
 
     srv.restart();
 
     let mut cmd = Command::new(&python);
-    cmd.arg(&script).args(["after", &id, &pid]);
+    cmd.arg(&script).args(["after", &id, &pid, &watcher]);
     let run = run_script("restart: after", cmd, &env, Duration::from_secs(180));
     assert!(run.ok, "{}\n{}", run.output, srv.log_tail(100));
     assert!(run.output.contains("ok re-attached"), "{}", run.output);

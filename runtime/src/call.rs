@@ -24,19 +24,29 @@
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+/// The guest's vocabulary, as the call surface speaks it: what a program, a file, a context
+/// or an event is. The types are the agent protocol's (the runtime passes them through
+/// unchanged), named here so that the layers above the runtime — the server's surfaces, the
+/// CLI, the fleet's gateway — depend on the call surface alone, never on the agent protocol.
 pub use ember_agent::protocol::{
-    ContextInfo, DirEntry, EndStatus, EventKind, ExecRequest, FileStat, RunCodeRequest,
+    ContextInfo, DirEntry, EndStatus, ErrorCode, EventKind, Exception, ExecRequest, ExecUser,
+    ExitStatus, FileStat, FileType, FsOp, ProcessInfo, PtySize, ResultData, RunCodeRequest,
+    LANGUAGES,
 };
+
+pub use crate::cancel::{Cancel, CancelOnDrop};
 
 use crate::template::{BuildEvent, BuildOptions, Template};
 use crate::{
-    ArtifactInfo, AuditFilter, AuditRecord, CreateRequest, ExposedPort, ForkRequest, ListFilter,
-    Metrics, NetworkInfo, NetworkPolicy, OnTimeout, ProcessRecord, RunEnd, Runtime, RuntimeError,
-    SandboxInfo, SnapshotInfo, SnapshotRequest, TemplateSummary, Transition, Usage,
+    ArtifactInfo, AuditFilter, AuditRecord, CreateRequest, ExposedPort, ForkRequest, FsChange,
+    ListFilter, Metrics, NetworkInfo, NetworkPolicy, OnTimeout, ProcessEnd, ProcessRecord, RunEnd,
+    Runtime, RuntimeError, SandboxInfo, SnapshotInfo, SnapshotRequest, TemplateSummary, Transition,
+    Usage,
 };
 
 /// One call: its arguments (the struct), its reply type and its name (as audited and timed).
@@ -60,6 +70,9 @@ pub struct Io<'a> {
     pub output: Option<&'a mut dyn Write>,
     /// `BuildTemplate`'s progress.
     pub progress: Option<&'a mut dyn FnMut(BuildEvent)>,
+    /// Stops a long call (`ProcessAttach`, `Watch`) from outside it: a stream that may stay
+    /// silent for hours cannot rely on its event sink to notice that its caller went away.
+    pub cancel: Option<Arc<Cancel>>,
 }
 
 impl std::fmt::Debug for Io<'_> {
@@ -69,6 +82,7 @@ impl std::fmt::Debug for Io<'_> {
             .field("input", &self.input.is_some())
             .field("output", &self.output.is_some())
             .field("progress", &self.progress.is_some())
+            .field("cancel", &self.cancel.is_some())
             .finish()
     }
 }
@@ -104,6 +118,13 @@ impl<'a> Io<'a> {
         Io {
             progress: Some(f),
             ..Io::default()
+        }
+    }
+    /// These streams, stoppable by `cancel`.
+    pub fn with_cancel(self, cancel: Arc<Cancel>) -> Self {
+        Io {
+            cancel: Some(cancel),
+            ..self
         }
     }
 }
@@ -212,8 +233,15 @@ calls! {
     GetMetrics "metrics" {} -> Metrics;
     /// What a running sandbox uses on the host now.
     GetUsage "usage" { id: String } -> Usage;
-    /// Creates a code context.
-    ContextCreate "context_create" { id: String, language: String, cwd: Option<String> } -> ContextInfo;
+    /// Creates a code context; with `context`, under that id (an existing one is an
+    /// `exists` guest error).
+    ContextCreate "context_create" {
+        id: String,
+        language: String,
+        cwd: Option<String>,
+        #[serde(default)]
+        context: Option<String>,
+    } -> ContextInfo;
     /// A sandbox's code contexts.
     ContextList "context_list" { id: String } -> Vec<ContextInfo>;
     /// Restarts a context (its state is lost).
@@ -228,6 +256,27 @@ calls! {
     RunCode "run_code" { id: String, req: RunCodeRequest } -> RunEnd;
     /// Runs a program; events through [`Io::events`].
     Exec "exec" { id: String, req: ExecRequest } -> EndStatus;
+    /// Starts a background program (its own session; it outlives the call) with the
+    /// template's environment, the sandbox's, then the request's, and records it with its
+    /// tag and the caller's description of it; answers its pid.
+    ProcessStart "process_start" {
+        id: String,
+        req: ExecRequest,
+        tag: Option<String>,
+        config: serde_json::Value,
+    } -> u32;
+    /// Streams a background program's output — what it wrote so far (the last 1 MiB of each
+    /// stream), then live — through [`Io::events`] until it exits or [`Io::cancel`] fires.
+    ProcessAttach "process_attach" { id: String, pid: u32 } -> ProcessEnd;
+    /// The programs the agent started that run or have not been collected.
+    ProcessList "process_list" { id: String } -> Vec<ProcessInfo>;
+    /// Feeds a program's stdin (or terminal) with what [`Io::input`] gives, to its end;
+    /// answers the bytes written.
+    StdinWrite "stdin_write" { id: String, pid: u32 } -> u64;
+    /// Closes a program's stdin.
+    StdinClose "stdin_close" { id: String, pid: u32 } -> ();
+    /// Resizes a program's terminal.
+    ProcessResize "process_resize" { id: String, pid: u32, cols: u16, rows: u16 } -> ();
     /// Records a background process the caller started (its tag and description).
     ProcessRemember "process_remember" { id: String, process: ProcessRecord } -> ();
     /// The recorded processes of a sandbox, oldest first; with `running`, those not in it
@@ -235,20 +284,41 @@ calls! {
     ProcessRecords "process_records" { id: String, running: Option<Vec<u32>> } -> Vec<ProcessRecord>;
     /// Forgets one recorded process, or (no pid) all of a sandbox's.
     ProcessForget "process_forget" { id: String, pid: Option<u32> } -> ();
-    /// Writes a guest file from [`Io::input`]; answers the bytes written.
-    WriteFile "write_file" { id: String, path: String } -> u64;
+    /// Writes a guest file from [`Io::input`]; answers the bytes written. As `user`, the
+    /// file (and the directories the write made under its home) is then theirs.
+    WriteFile "write_file" {
+        id: String,
+        path: String,
+        #[serde(default)]
+        user: ExecUser,
+    } -> u64;
     /// Reads a guest file into [`Io::output`]; answers the bytes read.
     ReadFile "read_file" { id: String, path: String } -> u64;
     /// Lists a guest directory.
     ListFiles "list_files" { id: String, path: String, depth: u32 } -> Vec<DirEntry>;
     /// Stats a guest path.
     Stat "stat" { id: String, path: String } -> FileStat;
-    /// Makes a guest directory (and its parents).
-    Mkdir "mkdir" { id: String, path: String } -> ();
+    /// Makes a guest directory (and its parents); as `user`, with their rights, and theirs.
+    Mkdir "mkdir" {
+        id: String,
+        path: String,
+        #[serde(default)]
+        user: ExecUser,
+    } -> ();
     /// Removes a guest path.
     Remove "remove" { id: String, path: String, recursive: bool } -> ();
     /// Renames a guest path.
     Rename "rename" { id: String, from: String, to: String } -> ();
+    /// Watches a guest directory: [`EventKind::FsEvent`]s through [`Io::events`] until the
+    /// sink says stop or [`Io::cancel`] fires.
+    Watch "watch" { id: String, path: String, recursive: bool } -> ();
+    /// Creates a polling watcher on a guest directory; answers its id. The runtime keeps it
+    /// (in the store: it outlives a server restart) until it is removed or its sandbox ends.
+    WatcherCreate "watcher_create" { id: String, path: String, recursive: bool } -> String;
+    /// The changes a polling watcher saw since the last poll, oldest first.
+    WatcherEvents "watcher_events" { id: String, watcher: String } -> Vec<FsChange>;
+    /// Removes a polling watcher.
+    WatcherRemove "watcher_remove" { id: String, watcher: String } -> ();
     /// Copies the sandbox's outputs directory out as artifacts now.
     CollectArtifacts "collect_artifacts" { id: String } -> Vec<ArtifactInfo>;
     /// A sandbox's artifacts.
@@ -296,6 +366,7 @@ impl Runtime {
             input,
             output,
             progress,
+            cancel,
         } = io;
         let mut no_events = |_: &EventKind| true;
         let events: &mut dyn FnMut(&EventKind) -> bool = match events {
@@ -345,9 +416,17 @@ impl Runtime {
             Request::Audit(Audit { filter }) => Reply::Audit(self.audit(&filter)?),
             Request::GetMetrics(GetMetrics {}) => Reply::GetMetrics(self.metrics()),
             Request::GetUsage(GetUsage { id }) => Reply::GetUsage(self.usage(&id)?),
-            Request::ContextCreate(ContextCreate { id, language, cwd }) => {
-                Reply::ContextCreate(self.context_create(&id, &language, cwd.as_deref())?)
-            }
+            Request::ContextCreate(ContextCreate {
+                id,
+                language,
+                cwd,
+                context,
+            }) => Reply::ContextCreate(self.context_create_as(
+                &id,
+                &language,
+                cwd.as_deref(),
+                context.as_deref(),
+            )?),
             Request::ContextList(ContextList { id }) => Reply::ContextList(self.context_list(&id)?),
             Request::ContextRestart(ContextRestart { id, context }) => {
                 Reply::ContextRestart(self.context_restart(&id, &context)?)
@@ -365,6 +444,29 @@ impl Runtime {
                 Reply::RunCode(self.run_code(&id, &req, events)?)
             }
             Request::Exec(Exec { id, req }) => Reply::Exec(self.exec(&id, &req, events)?),
+            Request::ProcessStart(ProcessStart {
+                id,
+                req,
+                tag,
+                config,
+            }) => Reply::ProcessStart(self.process_start(&id, req, tag, config)?),
+            Request::ProcessAttach(ProcessAttach { id, pid }) => {
+                Reply::ProcessAttach(self.process_attach(&id, pid, events, cancel)?)
+            }
+            Request::ProcessList(ProcessList { id }) => Reply::ProcessList(self.process_list(&id)?),
+            Request::StdinWrite(StdinWrite { id, pid }) => {
+                let input = input.ok_or_else(|| missing("stdin_write", "bytes to write"))?;
+                Reply::StdinWrite(self.stdin_write(&id, pid, input)?)
+            }
+            Request::StdinClose(StdinClose { id, pid }) => {
+                Reply::StdinClose(self.stdin_close(&id, pid)?)
+            }
+            Request::ProcessResize(ProcessResize {
+                id,
+                pid,
+                cols,
+                rows,
+            }) => Reply::ProcessResize(self.process_resize(&id, pid, cols, rows)?),
             Request::ProcessRemember(ProcessRemember { id, process }) => {
                 Reply::ProcessRemember(self.remember_process(&id, process)?)
             }
@@ -374,9 +476,9 @@ impl Runtime {
             Request::ProcessForget(ProcessForget { id, pid }) => {
                 Reply::ProcessForget(self.forget_processes(&id, pid)?)
             }
-            Request::WriteFile(WriteFile { id, path }) => {
+            Request::WriteFile(WriteFile { id, path, user }) => {
                 let input = input.ok_or_else(|| missing("write_file", "bytes to write"))?;
-                Reply::WriteFile(self.write_file(&id, &path, input)?)
+                Reply::WriteFile(self.write_file_as(&id, &path, input, user)?)
             }
             Request::ReadFile(ReadFile { id, path }) => {
                 let output = output.ok_or_else(|| missing("read_file", "place for the bytes"))?;
@@ -386,7 +488,9 @@ impl Runtime {
                 Reply::ListFiles(self.list_files(&id, &path, depth)?)
             }
             Request::Stat(Stat { id, path }) => Reply::Stat(self.stat(&id, &path)?),
-            Request::Mkdir(Mkdir { id, path }) => Reply::Mkdir(self.mkdir(&id, &path)?),
+            Request::Mkdir(Mkdir { id, path, user }) => {
+                Reply::Mkdir(self.mkdir_as(&id, &path, user)?)
+            }
             Request::Remove(Remove {
                 id,
                 path,
@@ -394,6 +498,22 @@ impl Runtime {
             }) => Reply::Remove(self.remove(&id, &path, recursive)?),
             Request::Rename(Rename { id, from, to }) => {
                 Reply::Rename(self.rename(&id, &from, &to)?)
+            }
+            Request::Watch(Watch {
+                id,
+                path,
+                recursive,
+            }) => Reply::Watch(self.watch(&id, &path, recursive, events, cancel)?),
+            Request::WatcherCreate(WatcherCreate {
+                id,
+                path,
+                recursive,
+            }) => Reply::WatcherCreate(self.watcher_create(&id, &path, recursive)?),
+            Request::WatcherEvents(WatcherEvents { id, watcher }) => {
+                Reply::WatcherEvents(self.watcher_events(&id, &watcher)?)
+            }
+            Request::WatcherRemove(WatcherRemove { id, watcher }) => {
+                Reply::WatcherRemove(self.watcher_remove(&id, &watcher)?)
             }
             Request::CollectArtifacts(CollectArtifacts { id }) => {
                 Reply::CollectArtifacts(self.collect_artifacts(&id)?)

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use ember_agent::client::ClientError;
 use ember_agent::protocol::{
-    self, ContextInfo, DirEntry, EndStatus, EventKind, ExecRequest, FileStat, RunCodeRequest,
+    self, ContextInfo, DirEntry, EndStatus, ErrorCode, EventKind, ExecRequest, ExecUser, FileStat,
+    RunCodeRequest,
 };
 use sha2::Digest;
 
@@ -227,15 +228,27 @@ impl Runtime {
         language: &str,
         cwd: Option<&str>,
     ) -> Result<ContextInfo, RuntimeError> {
+        self.context_create_as(id, language, cwd, None)
+    }
+
+    /// Creates a code context, under the id `context` when given (one that exists already
+    /// is an `exists` guest error).
+    pub fn context_create_as(
+        &self,
+        id: &str,
+        language: &str,
+        cwd: Option<&str>,
+        context: Option<&str>,
+    ) -> Result<ContextInfo, RuntimeError> {
         if !protocol::LANGUAGES.contains(&language) {
             return Err(RuntimeError::Invalid(format!(
                 "language {language:?}: expected one of {:?}",
                 protocol::LANGUAGES
             )));
         }
-        let args = serde_json::json!({ "language": language, "cwd": cwd });
+        let args = serde_json::json!({ "language": language, "cwd": cwd, "context": context });
         self.audited(id, "context_create", args, |vm, _| {
-            let ctx = vm.sandbox.context_create(language, cwd)?;
+            let ctx = vm.sandbox.context_create_with_id(language, cwd, context)?;
             let list = vm.sandbox.context_list()?;
             list.into_iter().find(|c| c.id == ctx).ok_or_else(|| {
                 RuntimeError::Internal(format!("context {ctx} vanished after its creation"))
@@ -288,27 +301,47 @@ impl Runtime {
         path: &str,
         data: &mut dyn Read,
     ) -> Result<u64, RuntimeError> {
+        self.write_file_as(id, path, data, ExecUser::Root)
+    }
+
+    /// [`Self::write_file`] for `user`: the agent writes as root, then the file and the
+    /// directories strictly between the user's home and it (the ones the write may have
+    /// made) are given to the user. A failed hand-over is logged, not an error: the bytes
+    /// are in place.
+    pub fn write_file_as(
+        &self,
+        id: &str,
+        path: &str,
+        data: &mut dyn Read,
+        user: ExecUser,
+    ) -> Result<u64, RuntimeError> {
         let limit = self.config().max_upload_bytes;
-        self.audited(
-            id,
-            "file_write",
-            serde_json::json!({ "path": path }),
-            |vm, bytes| {
-                let mut lim = Limited {
-                    inner: data,
-                    limit,
-                    n: 0,
-                };
-                let r = vm.sandbox.write_file(path, &mut lim);
-                bytes.0 = lim.n;
-                if lim.n > limit {
-                    return Err(RuntimeError::Invalid(format!(
-                        "upload exceeds the limit of {limit} bytes"
-                    )));
+        let args = serde_json::json!({ "path": path, "user": user });
+        self.audited(id, "file_write", args, |vm, bytes| {
+            let mut lim = Limited {
+                inner: data,
+                limit,
+                n: 0,
+            };
+            let r = vm.sandbox.write_file(path, &mut lim);
+            bytes.0 = lim.n;
+            if lim.n > limit {
+                return Err(RuntimeError::Invalid(format!(
+                    "upload exceeds the limit of {limit} bytes"
+                )));
+            }
+            let n = r?;
+            if user == ExecUser::User {
+                let mut argv = vec!["/bin/chown", "user:user", "--"];
+                let parents = owned_parents(path);
+                argv.extend(parents.iter().map(String::as_str));
+                argv.push(path);
+                if let Err((_, text)) = run_as(id, vm, "file_write", &argv, ExecUser::Root) {
+                    tracing::warn!("sandbox {id}: cannot give {path} to user: {text}");
                 }
-                Ok(r?)
-            },
-        )
+            }
+            Ok(n)
+        })
     }
 
     /// Streams the guest file `path` into `out`.
@@ -358,12 +391,26 @@ impl Runtime {
 
     /// `mkdir -p` in the guest.
     pub fn mkdir(&self, id: &str, path: &str) -> Result<(), RuntimeError> {
-        self.audited(
-            id,
-            "file_mkdir",
-            serde_json::json!({ "path": path }),
-            |vm, _| Ok(vm.sandbox.mkdir(path)?),
-        )
+        self.mkdir_as(id, path, ExecUser::Root)
+    }
+
+    /// `mkdir -p` in the guest as `user`: by the agent for root; for the unprivileged user
+    /// through `exec` as them, so that the directories are theirs and their rights apply (a
+    /// refusal is a `permission_denied` guest error, a file in the way `not_a_directory`).
+    pub fn mkdir_as(&self, id: &str, path: &str, user: ExecUser) -> Result<(), RuntimeError> {
+        let args = serde_json::json!({ "path": path, "user": user });
+        self.audited(id, "file_mkdir", args, |vm, _| {
+            if user == ExecUser::Root {
+                return Ok(vm.sandbox.mkdir(path)?);
+            }
+            let argv = ["/bin/mkdir", "-p", "--", path];
+            run_as(id, vm, "file_mkdir", &argv, user).map_err(|(code, text)| RuntimeError::Guest {
+                id: id.to_string(),
+                call: "file_mkdir",
+                code,
+                message: format!("creating directory {path}: {text}"),
+            })
+        })
     }
 
     /// Removes a guest path (`recursive` for directories).
@@ -545,16 +592,83 @@ pub fn safe_relative(p: &str) -> Option<PathBuf> {
     (!out.as_os_str().is_empty()).then_some(out)
 }
 
-fn event_bytes(ev: &EventKind) -> u64 {
+pub(crate) fn event_bytes(ev: &EventKind) -> u64 {
     match ev {
         EventKind::Stdout { data } | EventKind::Stderr { data } => data.len() as u64,
         _ => 0,
     }
 }
 
+/// Runs `argv` in the guest as `user` (30 s at most) for a file call; `Err` holds the guest
+/// error code its stderr means and that text.
+fn run_as(
+    id: &str,
+    vm: &Live,
+    call: &'static str,
+    argv: &[&str],
+    user: ExecUser,
+) -> Result<(), (ErrorCode, String)> {
+    let req = ExecRequest {
+        argv: argv.iter().map(|a| a.to_string()).collect(),
+        timeout_ms: Some(30_000),
+        user,
+        ..Default::default()
+    };
+    let mut stderr = Vec::new();
+    let mut exit = None;
+    let r = vm.sandbox.exec(&req, |ev| match ev {
+        EventKind::Stderr { data } if stderr.len() < 4096 => stderr.extend_from_slice(data),
+        EventKind::Exit(s) => exit = Some(*s),
+        _ => {}
+    });
+    if let Err(e) = r {
+        tracing::debug!("sandbox {id}: {call}: {argv:?}: {e}");
+        return Err((ErrorCode::Internal, e.to_string()));
+    }
+    if exit == Some(protocol::ExitStatus::Code(0)) {
+        return Ok(());
+    }
+    let text = String::from_utf8_lossy(&stderr).trim().to_string();
+    let code = if text.contains("Permission denied") || text.contains("Read-only file system") {
+        ErrorCode::PermissionDenied
+    } else if text.contains("File exists") || text.contains("Not a directory") {
+        ErrorCode::NotADirectory
+    } else {
+        ErrorCode::Internal
+    };
+    let text = if text.is_empty() {
+        format!("{} failed ({exit:?})", argv[0])
+    } else {
+        text
+    };
+    Err((code, text))
+}
+
+/// The directories a write as the user gives them with a file: those strictly between
+/// `/home/user` and the file.
+pub(crate) fn owned_parents(path: &str) -> Vec<String> {
+    let Some(rel) = path.strip_prefix("/home/user/") else {
+        return vec![];
+    };
+    let parts: Vec<&str> = rel.split('/').filter(|p| !p.is_empty()).collect();
+    (1..parts.len())
+        .map(|i| format!("/home/user/{}", parts[..i].join("/")))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parents_under_the_home_are_given_to_the_user() {
+        assert_eq!(
+            owned_parents("/home/user/a/b/c.txt"),
+            vec!["/home/user/a".to_string(), "/home/user/a/b".to_string()]
+        );
+        assert!(owned_parents("/home/user/c.txt").is_empty());
+        assert!(owned_parents("/tmp/a/c.txt").is_empty());
+    }
 
     #[test]
     fn artifact_paths_from_the_guest_must_be_plain_relative_paths() {

@@ -43,6 +43,9 @@ pub enum RuntimeError {
     /// No artifact at that path.
     #[error("{0}")]
     NoSuchArtifact(String),
+    /// No polling watcher by that id in that sandbox.
+    #[error("{0}")]
+    NoSuchWatcher(String),
     /// The request is invalid.
     #[error("{0}")]
     Invalid(String),
@@ -142,7 +145,8 @@ impl RuntimeError {
             RuntimeError::NotFound(_)
             | RuntimeError::NoSuchImage(_)
             | RuntimeError::NoSuchSnapshot(_)
-            | RuntimeError::NoSuchArtifact(_) => ErrorClass::NotFound,
+            | RuntimeError::NoSuchArtifact(_)
+            | RuntimeError::NoSuchWatcher(_) => ErrorClass::NotFound,
             RuntimeError::Cancelled(_) => ErrorClass::Invalid,
             RuntimeError::Template(TemplateError::NotBuilt { .. }) => ErrorClass::NotFound,
             RuntimeError::Template(TemplateError::BadName(_)) => ErrorClass::Invalid,
@@ -162,6 +166,7 @@ impl RuntimeError {
             RuntimeError::NoSuchImage(_) => "template_not_found",
             RuntimeError::NoSuchSnapshot(_) => "snapshot_not_found",
             RuntimeError::NoSuchArtifact(_) => "artifact_not_found",
+            RuntimeError::NoSuchWatcher(_) => "watcher_not_found",
             RuntimeError::Cancelled(_) => "cancelled",
             RuntimeError::Template(TemplateError::NotBuilt { .. }) => "template_not_found",
             RuntimeError::Template(TemplateError::BadName(_)) => "invalid_request",

@@ -21,6 +21,7 @@
 
 pub mod agent_link;
 pub mod call;
+mod cancel;
 pub mod clock;
 pub mod images;
 pub mod jail;
@@ -43,6 +44,7 @@ mod lifecycle;
 mod network;
 pub mod pooled;
 mod usage;
+mod watches;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -52,6 +54,7 @@ pub use config::RuntimeConfig;
 pub use error::{ErrorClass, RuntimeError};
 pub use network::{NetworkInfo, MAX_PORTS};
 pub use types::*;
+pub use watches::relative_name;
 
 pub use sandbox::{Execution, RunEnd, Sandbox, SandboxError, SandboxOptions};
 pub use template::{BuildEvent, BuildOptions, Template, TemplateError, TemplateInfo};
@@ -86,6 +89,9 @@ struct Inner {
     pool: crate::pool::Pool<pooled::VmmFiller>,
     /// Admission of VM starts (at most `max_starting` at once).
     gate: gate::StartGate,
+    /// The polling watchers whose watch runs in this process (their records are in the
+    /// store).
+    watches: Mutex<HashMap<String, Arc<watches::LiveWatcher>>>,
 }
 
 /// One sandbox with a VMM or a pause snapshot.
@@ -110,6 +116,20 @@ struct SlotState {
     paused_ms: Option<i64>,
     /// The thread stopping a VMM a pause let go of (see `retire_vm`).
     retiring: Option<std::thread::JoinHandle<()>>,
+    /// The cancels of its open long calls (attaches, watches): fired before a pause or a
+    /// kill, so that no stream holds either up.
+    streams: Vec<std::sync::Weak<call::Cancel>>,
+}
+
+impl SlotState {
+    /// Ends the sandbox's open long calls (their callers see them end).
+    fn cancel_streams(&mut self) {
+        for c in self.streams.drain(..) {
+            if let Some(c) = c.upgrade() {
+                c.fire();
+            }
+        }
+    }
 }
 
 /// Counts a call in flight; decrements on drop.
@@ -176,6 +196,7 @@ impl Runtime {
                 metrics: Mutex::new(Metrics::default()),
                 calls: Mutex::new(Default::default()),
                 watcher: Mutex::new(None),
+                watches: Mutex::new(HashMap::new()),
                 timer: Arc::new((Mutex::new(false), Condvar::new())),
                 net,
                 pool,
@@ -190,6 +211,7 @@ impl Runtime {
         })?;
         *lock(&rt.inner.watcher) = Some(watcher);
         rt.reclaim()?;
+        rt.rearm_watchers();
         rt.start_timer()?;
         if rt.inner.pool.enabled() {
             for name in &rt.inner.cfg.pool_templates {
@@ -326,6 +348,24 @@ impl Runtime {
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         self.record(at, Some(id), call, &args, ms, &result, bytes);
         result
+    }
+
+    /// [`Self::audited`] for a long call that `cancel` stops: the runtime fires it before it
+    /// pauses or kills the sandbox.
+    fn audited_stream<T>(
+        &self,
+        id: &str,
+        call: &'static str,
+        args: serde_json::Value,
+        cancel: &Arc<call::Cancel>,
+        f: impl FnOnce(&Live, &mut (u64, u64)) -> Result<T, RuntimeError>,
+    ) -> Result<T, RuntimeError> {
+        if let Ok(slot) = self.slot(id) {
+            let mut st = lock(&slot.st);
+            st.streams.retain(|c| c.strong_count() > 0);
+            st.streams.push(Arc::downgrade(cancel));
+        }
+        self.audited(id, call, args, f)
     }
 
     /// A transport error on a sandbox that meanwhile stopped or failed says so.

@@ -8,8 +8,25 @@
 //! goes when the process is seen ended, when the caller forgets it, or with the sandbox's other
 //! records after retention. At most [`MAX_PROCESSES`] are kept in all (the oldest go).
 
-use crate::types::ProcessRecord;
+use std::io::Read;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ember_agent::client::ClientError;
+use ember_agent::protocol::{Call, EventKind, ExecRequest, PidRequest, ProcessInfo};
+
+use crate::call::Cancel;
+use crate::types::{ProcessEnd, ProcessRecord};
 use crate::{Runtime, RuntimeError};
+
+/// Longest an attach may last (the agent client needs a deadline).
+const ATTACH_LIMIT: Duration = Duration::from_secs(30 * 24 * 3600);
+/// Most bytes one `stdin_write` frame carries.
+const STDIN_CHUNK: usize = 64 * 1024;
+
+fn guest_pid(pid: u32) -> Result<i32, RuntimeError> {
+    i32::try_from(pid).map_err(|_| RuntimeError::Invalid(format!("pid {pid} is out of range")))
+}
 
 /// Most process records kept (all sandboxes together).
 pub const MAX_PROCESSES: usize = 4096;
@@ -47,6 +64,160 @@ impl Runtime {
                 .map_err(store_error)?;
         }
         Ok(keep)
+    }
+
+    /// Starts a background program in sandbox `id` with the template's environment, the
+    /// sandbox's, then `req`'s, and records it (`tag`, `config`); answers its pid. The record
+    /// failing does not fail the start (the program runs; only its tag is not kept).
+    pub fn process_start(
+        &self,
+        id: &str,
+        mut req: ExecRequest,
+        tag: Option<String>,
+        config: serde_json::Value,
+    ) -> Result<u32, RuntimeError> {
+        if req.argv.is_empty() || req.argv[0].is_empty() {
+            return Err(RuntimeError::Invalid(
+                "the program to start is empty".into(),
+            ));
+        }
+        req.background = true;
+        let args = serde_json::json!({
+            "argv": req.argv, "cwd": req.cwd, "user": req.user, "pty": req.pty.is_some(),
+            "tag": tag, "timeout_ms": req.timeout_ms,
+        });
+        let row_env = self.get(id)?.env;
+        let pid = self.audited(id, "process_start", args, |vm, _| {
+            let mut env = vm.sandbox.template_env().clone();
+            env.extend(row_env);
+            env.append(&mut req.env);
+            req.env = env;
+            Ok(vm.sandbox.exec_background(&req)?)
+        })?;
+        let pid = u32::try_from(pid)
+            .map_err(|_| RuntimeError::Internal(format!("the agent answered pid {pid}")))?;
+        let record = ProcessRecord { pid, tag, config };
+        if let Err(e) = self.remember_process(id, record) {
+            tracing::warn!("sandbox {id}: process {pid} started but not recorded: {e}");
+        }
+        Ok(pid)
+    }
+
+    /// Streams background program `pid`'s output (what it wrote so far, then live) to
+    /// `on_event` until it exits, `on_event` says stop or `cancel` fires. A program seen
+    /// ending is forgotten from the registry.
+    pub fn process_attach(
+        &self,
+        id: &str,
+        pid: u32,
+        on_event: &mut dyn FnMut(&EventKind) -> bool,
+        cancel: Option<Arc<Cancel>>,
+    ) -> Result<ProcessEnd, RuntimeError> {
+        let gpid = guest_pid(pid)?;
+        let cancel = cancel.unwrap_or_default();
+        let args = serde_json::json!({ "pid": pid });
+        let mut exit = None;
+        let r = self.audited_stream(id, "process_attach", args, &cancel, |vm, bytes| {
+            let r = vm.sandbox.with_client("process_attach", |c| {
+                if !cancel.arm(c.get_ref()) {
+                    return Err(ClientError::Closed);
+                }
+                let call = Call::ProcessAttach(PidRequest { pid: gpid });
+                let r = c.call(&call, ATTACH_LIMIT, |ev| {
+                    bytes.1 += crate::calls::event_bytes(&ev);
+                    if let EventKind::Exit(s) = ev {
+                        exit = Some(s);
+                    }
+                    if on_event(&ev) {
+                        Ok(())
+                    } else {
+                        cancel.fire();
+                        Err(ClientError::Closed)
+                    }
+                });
+                // A connection the cancel shut down must not go back to the pool.
+                if cancel.disarm() {
+                    return Err(ClientError::Closed);
+                }
+                r
+            });
+            if cancel.fired() {
+                return Err(RuntimeError::Cancelled(format!(
+                    "process_attach {pid}: cancelled"
+                )));
+            }
+            Ok(r?)
+        });
+        let status = r?;
+        if exit.is_some() || status == ember_agent::protocol::EndStatus::TimedOut {
+            let _ = self.forget_processes(id, Some(pid));
+        }
+        Ok(ProcessEnd { status, exit })
+    }
+
+    /// The programs the agent started in sandbox `id` that run or were not yet collected.
+    pub fn process_list(&self, id: &str) -> Result<Vec<ProcessInfo>, RuntimeError> {
+        self.audited(id, "process_list", serde_json::json!({}), |vm, _| {
+            Ok(vm.sandbox.process_list()?)
+        })
+    }
+
+    /// Feeds program `pid`'s stdin with all of `input`; answers the bytes written.
+    pub fn stdin_write(
+        &self,
+        id: &str,
+        pid: u32,
+        input: &mut dyn Read,
+    ) -> Result<u64, RuntimeError> {
+        let gpid = guest_pid(pid)?;
+        self.audited(
+            id,
+            "stdin_write",
+            serde_json::json!({ "pid": pid }),
+            |vm, bytes| {
+                let mut buf = vec![0u8; STDIN_CHUNK];
+                loop {
+                    let n = match input.read(&mut buf) {
+                        Ok(0) => return Ok(bytes.0),
+                        Ok(n) => n,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                        Err(e) => {
+                            return Err(RuntimeError::Invalid(format!(
+                                "stdin for process {pid}: reading the input: {e}"
+                            )))
+                        }
+                    };
+                    vm.sandbox.stdin_write(gpid, &buf[..n])?;
+                    bytes.0 += n as u64;
+                }
+            },
+        )
+    }
+
+    /// Closes program `pid`'s stdin.
+    pub fn stdin_close(&self, id: &str, pid: u32) -> Result<(), RuntimeError> {
+        let gpid = guest_pid(pid)?;
+        self.audited(
+            id,
+            "stdin_close",
+            serde_json::json!({ "pid": pid }),
+            |vm, _| Ok(vm.sandbox.stdin_close(gpid)?),
+        )
+    }
+
+    /// Resizes program `pid`'s terminal.
+    pub fn process_resize(
+        &self,
+        id: &str,
+        pid: u32,
+        cols: u16,
+        rows: u16,
+    ) -> Result<(), RuntimeError> {
+        let gpid = guest_pid(pid)?;
+        let args = serde_json::json!({ "pid": pid, "cols": cols, "rows": rows });
+        self.audited(id, "process_resize", args, |vm, _| {
+            Ok(vm.sandbox.process_resize(gpid, cols, rows)?)
+        })
     }
 
     /// Forgets process `pid` of sandbox `id`, or all of its processes.

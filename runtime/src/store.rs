@@ -95,7 +95,29 @@ CREATE TABLE IF NOT EXISTS processes (
     config TEXT NOT NULL,
     UNIQUE (sandbox, pid)
 );
+-- Polling watchers on guest directories (crate::watches): what to watch, so that a restarted
+-- server watches again. Also a table older servers ignore.
+CREATE TABLE IF NOT EXISTS watchers (
+    id TEXT PRIMARY KEY,
+    sandbox TEXT NOT NULL,
+    path TEXT NOT NULL,
+    recursive INTEGER NOT NULL,
+    created_ms INTEGER NOT NULL
+);
 ";
+
+/// A polling watcher as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatcherRow {
+    /// Its id.
+    pub id: String,
+    /// The sandbox it watches in.
+    pub sandbox: String,
+    /// The guest directory.
+    pub path: String,
+    /// Whether it watches below the directory too.
+    pub recursive: bool,
+}
 
 /// Store errors are SQLite's (plus a refused schema).
 pub type StoreResult<T> = Result<T, rusqlite::Error>;
@@ -635,9 +657,49 @@ impl Store {
         Ok(())
     }
 
+    /// Records a polling watcher.
+    pub fn put_watcher(&self, w: &WatcherRow) -> StoreResult<()> {
+        self.conn.execute(
+            "INSERT OR REPLACE INTO watchers (id, sandbox, path, recursive, created_ms) \
+             VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![w.id, w.sandbox, w.path, w.recursive, now_ms()],
+        )?;
+        Ok(())
+    }
+
+    /// The polling watchers of `sandbox` (all of them with `None`), oldest first.
+    pub fn watchers(&self, sandbox: Option<&str>) -> StoreResult<Vec<WatcherRow>> {
+        let mut st = self.conn.prepare(
+            "SELECT id, sandbox, path, recursive FROM watchers \
+             WHERE ?1 IS NULL OR sandbox = ?1 ORDER BY created_ms, id",
+        )?;
+        let rows = st.query_map(params![sandbox], |r| {
+            Ok(WatcherRow {
+                id: r.get(0)?,
+                sandbox: r.get(1)?,
+                path: r.get(2)?,
+                recursive: r.get(3)?,
+            })
+        })?;
+        rows.collect()
+    }
+
+    /// Forgets polling watcher `id`, or (no id) every watcher of `sandbox`.
+    pub fn forget_watchers(&self, sandbox: &str, id: Option<&str>) -> StoreResult<usize> {
+        match id {
+            Some(id) => self.conn.execute(
+                "DELETE FROM watchers WHERE sandbox = ?1 AND id = ?2",
+                params![sandbox, id],
+            ),
+            None => self
+                .conn
+                .execute("DELETE FROM watchers WHERE sandbox = ?1", params![sandbox]),
+        }
+    }
+
     /// Deletes every record of a sandbox (after retention).
     pub fn purge_sandbox(&self, id: &str) -> StoreResult<()> {
-        for table in ["transitions", "artifacts", "processes"] {
+        for table in ["transitions", "artifacts", "processes", "watchers"] {
             self.conn.execute(
                 &format!("DELETE FROM {table} WHERE sandbox = ?1"),
                 params![id],

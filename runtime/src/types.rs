@@ -452,6 +452,26 @@ pub struct ProcessRecord {
     pub config: serde_json::Value,
 }
 
+/// How an attached background program's stream ended (`ProcessAttach`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessEnd {
+    /// How the call ended (`ok`; `timed_out` when the program's own deadline passed).
+    pub status: ember_agent::protocol::EndStatus,
+    /// How the program ended, when the stream saw it end.
+    pub exit: Option<ember_agent::protocol::ExitStatus>,
+}
+
+/// One change a polling watcher saw (`WatcherEvents`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsChange {
+    /// The absolute guest path that changed.
+    pub path: String,
+    /// The same, relative to the watched directory.
+    pub name: String,
+    /// What happened to it.
+    pub op: ember_agent::protocol::FsOp,
+}
+
 /// One call's counters on the call surface (`Runtime::call_counts`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct CallStats {

@@ -12,21 +12,6 @@ pub trait Backend: Handler + 'static {
     /// Largest upload accepted (the server answers 413 above it).
     fn max_upload_bytes(&self) -> u64;
 
-    /// Runs `f` on the sandbox's agent handle with a call slot held (resuming a paused
-    /// sandbox first), audited as `call`. The E2B surface speaks to the agent through this;
-    /// use [`with_sandbox`] for a typed result.
-    fn with_sandbox_dyn(
-        &self,
-        id: &str,
-        call: &'static str,
-        args: serde_json::Value,
-        f: &mut dyn FnMut(&ember_runtime::Sandbox) -> Result<(), RuntimeError>,
-    ) -> Result<(), RuntimeError> {
-        let _ = (id, args, f);
-        Err(RuntimeError::Internal(format!(
-            "{call}: this backend has no sandbox handles"
-        )))
-    }
     /// A connection to the guest's `port` (from the sandbox's namespace).
     fn connect_port(
         &self,
@@ -62,32 +47,4 @@ impl Backend for Runtime {
     ) -> Result<std::net::TcpStream, RuntimeError> {
         Runtime::connect_port(self, id, port, require_exposed)
     }
-    fn with_sandbox_dyn(
-        &self,
-        id: &str,
-        call: &'static str,
-        args: serde_json::Value,
-        f: &mut dyn FnMut(&ember_runtime::Sandbox) -> Result<(), RuntimeError>,
-    ) -> Result<(), RuntimeError> {
-        Runtime::with_sandbox(self, id, call, args, |sb| f(sb))
-    }
-}
-
-/// [`Backend::with_sandbox_dyn`] with a typed result.
-pub fn with_sandbox<T>(
-    b: &dyn Backend,
-    id: &str,
-    call: &'static str,
-    args: serde_json::Value,
-    f: impl FnOnce(&ember_runtime::Sandbox) -> Result<T, RuntimeError>,
-) -> Result<T, RuntimeError> {
-    let mut f = Some(f);
-    let mut out = None;
-    b.with_sandbox_dyn(id, call, args, &mut |sb| {
-        if let Some(f) = f.take() {
-            out = Some(f(sb)?);
-        }
-        Ok(())
-    })?;
-    out.ok_or_else(|| RuntimeError::Internal(format!("{call}: the call did not run")))
 }

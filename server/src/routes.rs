@@ -6,8 +6,8 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
-use ember_agent::protocol::{EventKind, RunCodeRequest};
 use ember_runtime::call::{self, Io};
+use ember_runtime::call::{EventKind, RunCodeRequest};
 use tokio::sync::mpsc;
 
 use super::error::{ApiError, ApiJson, ApiQuery};
@@ -376,6 +376,7 @@ pub async fn create_context(
                     id: id.to_string(),
                     language: body.language.to_string(),
                     cwd: body.cwd.as_deref().map(|s| s.to_string()),
+                    context: None,
                 },
                 Io::none(),
             )
@@ -601,6 +602,7 @@ pub async fn upload(
             call::WriteFile {
                 id: id.to_string(),
                 path: path.to_string(),
+                user: Default::default(),
             },
             Io::input(&mut ChannelReader::new(rx)),
         )
@@ -707,6 +709,7 @@ pub async fn mkdir(
             call::Mkdir {
                 id: id.to_string(),
                 path: body.path.to_string(),
+                user: Default::default(),
             },
             Io::none(),
         )

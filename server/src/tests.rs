@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use ember_agent::protocol::{
+use ember_runtime::call::{
     ContextInfo, DirEntry, EndStatus, ErrorCode, EventKind, ExecRequest, ExitStatus, FileStat,
     RunCodeRequest,
 };
@@ -266,7 +266,7 @@ impl Fake {
                 }
                 std::thread::sleep(Duration::from_millis(5));
             }
-            let ev = EventKind::Exception(ember_agent::protocol::Exception {
+            let ev = EventKind::Exception(ember_runtime::call::Exception {
                 name: "KeyboardInterrupt".into(),
                 value: String::new(),
                 traceback: vec![],
@@ -390,6 +390,7 @@ mod dispatch {
                 input,
                 output,
                 progress,
+                cancel: _,
             } = io;
             let mut no_events = |_: &EventKind| true;
             let events: &mut dyn FnMut(&EventKind) -> bool = match events {
@@ -429,9 +430,9 @@ mod dispatch {
                 Request::History(History { id }) => Reply::History(self.history(&id)?),
                 Request::Audit(Audit { filter }) => Reply::Audit(self.audit(&filter)?),
                 Request::GetMetrics(GetMetrics {}) => Reply::GetMetrics(self.metrics()),
-                Request::ContextCreate(ContextCreate { id, language, cwd }) => {
-                    Reply::ContextCreate(self.context_create(&id, &language, cwd.as_deref())?)
-                }
+                Request::ContextCreate(ContextCreate {
+                    id, language, cwd, ..
+                }) => Reply::ContextCreate(self.context_create(&id, &language, cwd.as_deref())?),
                 Request::ContextList(ContextList { id }) => {
                     Reply::ContextList(self.context_list(&id)?)
                 }
@@ -451,7 +452,7 @@ mod dispatch {
                     Reply::RunCode(self.run_code(&id, &req, events)?)
                 }
                 Request::Exec(Exec { id, req }) => Reply::Exec(self.exec(&id, &req, events)?),
-                Request::WriteFile(WriteFile { id, path }) => {
+                Request::WriteFile(WriteFile { id, path, .. }) => {
                     let input = input.ok_or_else(|| missing("bytes to write"))?;
                     Reply::WriteFile(self.write_file(&id, &path, input)?)
                 }
@@ -463,7 +464,7 @@ mod dispatch {
                     Reply::ListFiles(self.list_files(&id, &path, depth)?)
                 }
                 Request::Stat(Stat { id, path }) => Reply::Stat(self.stat(&id, &path)?),
-                Request::Mkdir(Mkdir { id, path }) => Reply::Mkdir(self.mkdir(&id, &path)?),
+                Request::Mkdir(Mkdir { id, path, .. }) => Reply::Mkdir(self.mkdir(&id, &path)?),
                 Request::Remove(Remove {
                     id,
                     path,

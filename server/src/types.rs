@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use base64::Engine;
-use ember_agent::protocol::{
+use ember_runtime::call::{
     ContextInfo, DirEntry, ExecRequest, ExecUser, FileStat, FileType, RunCodeRequest,
 };
 use serde::{Deserialize, Serialize};

@@ -270,6 +270,7 @@ impl Runtime {
                 retiring: None,
                 expiring: false,
                 paused_ms: None,
+                streams: Vec::new(),
             }),
             cv: Condvar::new(),
         });

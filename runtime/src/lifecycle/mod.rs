@@ -71,6 +71,7 @@ impl Runtime {
         if st.row.state.is_final() {
             return Ok(st.row.info());
         }
+        st.cancel_streams();
         if let Some(vm) = st.vm.clone() {
             let row = st.row.clone();
             drop(st);
@@ -87,6 +88,11 @@ impl Runtime {
         let info = st.row.info();
         drop(st);
         lock(&self.inner.slots).remove(id);
+        // What the host knew of its guest's processes and watches went with it.
+        self.forget_watchers(id);
+        if let Err(e) = self.store().forget_processes(id, None) {
+            tracing::warn!("sandbox {id}: its process records not forgotten: {e}");
+        }
         let _ = std::fs::remove_dir_all(self.inner.cfg.sandbox_dir(id));
         Ok(info)
     }

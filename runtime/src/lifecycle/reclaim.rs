@@ -70,6 +70,7 @@ impl Runtime {
                     retiring: None,
                     expiring: false,
                     paused_ms: None,
+                    streams: Vec::new(),
                 }),
                 cv: Condvar::new(),
             });

@@ -42,6 +42,7 @@ impl Runtime {
         // Where a pause's time goes, for the log line at the end.
         let mut phases = Timings::new();
         self.transition(&slot, &mut st, State::Pausing, Some(reason.to_string()));
+        st.cancel_streams();
         let st = self.drain(&slot, st);
         phases.mark("drain");
         let Some(vm) = st.vm.clone() else {

@@ -352,11 +352,21 @@ impl Sandbox {
         language: &str,
         cwd: Option<&str>,
     ) -> Result<String, SandboxError> {
+        self.context_create_with_id(language, cwd, None)
+    }
+
+    /// [`Self::context_create`] under the caller's id `id` (when given).
+    pub fn context_create_with_id(
+        &self,
+        language: &str,
+        cwd: Option<&str>,
+        id: Option<&str>,
+    ) -> Result<String, SandboxError> {
         let req = protocol::ContextCreateRequest {
             language: language.into(),
             cwd: cwd.map(str::to_owned),
             env: self.env.clone(),
-            id: None,
+            id: id.map(str::to_owned),
         };
         let mut id = None;
         self.call(&Call::ContextCreate(req), Duration::from_secs(600), |ev| {

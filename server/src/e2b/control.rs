@@ -481,17 +481,7 @@ async fn detail(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<Js
 
 async fn kill(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<StatusCode> {
     live(&st, &id).await?;
-    // Open attaches and watches hold call slots; end them first.
-    st.rpc.forget_sandbox(&id);
-    call(&st, move |b| {
-        let info = b.call(call::Kill { id: id.to_string() }, Io::none())?;
-        // Its processes went with it (a record left behind goes with its retention).
-        if let Err(e) = b.call(call::ProcessForget { id, pid: None }, Io::none()) {
-            tracing::debug!("forgetting a killed sandbox's processes: {e}");
-        }
-        Ok(info)
-    })
-    .await?;
+    call(&st, move |b| b.call(call::Kill { id }, Io::none())).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -549,9 +539,8 @@ async fn pause(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<Sta
             format!("sandbox {id} is already paused"),
         ));
     }
-    // Open attaches and watches hold call slots, which a pause waits for: end them first
-    // (the processes themselves keep running and are attachable after the resume).
-    st.rpc.forget_sandbox(&id);
+    // The runtime ends open attaches and watches first (the processes keep running and are
+    // attachable after the resume; polling watchers watch again at their next poll).
     call(&st, move |b| {
         b.call(call::Pause { id: id.to_string() }, Io::none())
     })

@@ -24,7 +24,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use base64::Engine;
 use bytes::Bytes;
-use ember_agent::protocol::{ErrorCode, EventKind, ExecRequest, ExitStatus};
+use ember_runtime::call::{ErrorCode, ExecUser};
 use futures_util::Stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -35,7 +35,6 @@ use super::target::{gone_or, Target};
 use super::{reshape, rpc, E2bError, E2bState};
 use crate::error::ApiError;
 use crate::stream::{self, pump_body, ChannelReader};
-use crate::AppState;
 use ember_runtime::RuntimeError;
 
 /// The default user of envd ≥ 0.4.0.
@@ -245,6 +244,13 @@ where
     let limit = st.backend().max_upload_bytes();
     let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(8);
     let (id2, path2) = (id.to_string(), path.clone());
+    // The runtime writes as root and then gives the file (and the directories the write
+    // made under the home) to the user, as envd writes as the request's user.
+    let as_user = if user.name == "user" {
+        ExecUser::User
+    } else {
+        ExecUser::Root
+    };
     let fail = std::sync::Arc::new(std::sync::Mutex::new(None));
     let fail2 = fail.clone();
     let job = st.app.spawn(move |b| {
@@ -263,6 +269,7 @@ where
             call::WriteFile {
                 id: id2.to_string(),
                 path: path2.to_string(),
+                user: as_user,
             },
             Io::input(&mut watched),
         )
@@ -291,9 +298,6 @@ where
             None => file_error(id, &path, e),
         });
     }
-    if user.name == "user" {
-        give_to_user(&st.app, id, &path).await;
-    }
     let name = path.rsplit('/').next().unwrap_or("").to_string();
     Ok(json!({"path": path, "name": name, "type": "file"}))
 }
@@ -303,58 +307,6 @@ fn too_large(limit: u64) -> E2bError {
         StatusCode::PAYLOAD_TOO_LARGE,
         format!("the upload is over the server's limit of {limit} bytes"),
     )
-}
-
-/// The directories `chown` gives to `user` with a file: those strictly between
-/// `/home/user` and the file (the ones a write may just have created).
-pub fn owned_parents(path: &str) -> Vec<String> {
-    let Some(rel) = path.strip_prefix("/home/user/") else {
-        return vec![];
-    };
-    let parts: Vec<&str> = rel.split('/').filter(|p| !p.is_empty()).collect();
-    (1..parts.len())
-        .map(|i| format!("/home/user/{}", parts[..i].join("/")))
-        .collect()
-}
-
-/// `chown user:user` the file (and its new parents under the home): the agent writes as
-/// root, envd writes as the request's user.
-async fn give_to_user(app: &AppState, id: &str, path: &str) {
-    let mut argv = vec![
-        "/bin/chown".to_string(),
-        "user:user".to_string(),
-        "--".to_string(),
-    ];
-    argv.extend(owned_parents(path));
-    argv.push(path.to_string());
-    let req = ExecRequest {
-        argv,
-        timeout_ms: Some(30_000),
-        ..Default::default()
-    };
-    let (id, path) = (id.to_string(), path.to_string());
-    let r = app
-        .call(move |b| {
-            let mut code = None;
-            b.call(
-                call::Exec {
-                    id: id.to_string(),
-                    req: req.clone(),
-                },
-                Io::events(&mut |ev| {
-                    if let EventKind::Exit(s) = ev {
-                        code = Some(*s);
-                    }
-                    true
-                }),
-            )?;
-            Ok(code)
-        })
-        .await;
-    match r {
-        Ok(Some(ExitStatus::Code(0))) => {}
-        other => tracing::warn!("cannot give {path} to user: {other:?}"),
-    }
 }
 
 async fn upload(
@@ -478,15 +430,5 @@ mod tests {
         assert!(resolve(&u, "").is_err());
         let r = user_of(Some("root"), &HeaderMap::new()).unwrap();
         assert_eq!(resolve(&r, "x").unwrap(), "/root/x");
-    }
-
-    #[test]
-    fn parents_under_the_home_are_given_to_the_user() {
-        assert_eq!(
-            owned_parents("/home/user/a/b/c.txt"),
-            vec!["/home/user/a".to_string(), "/home/user/a/b".to_string()]
-        );
-        assert!(owned_parents("/home/user/c.txt").is_empty());
-        assert!(owned_parents("/tmp/a/c.txt").is_empty());
     }
 }

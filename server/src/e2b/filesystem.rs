@@ -1,22 +1,19 @@
 //! `filesystem.Filesystem`: the guest's files, as envd presents them.
 //!
-//! Paths resolve against the user's home (see [`super::resolve`]). The agent's file calls run
-//! as root; where envd gives the caller's account ownership of what it creates (`MakeDir`,
-//! the parents `Move` creates) and the caller is `user`, the directories are made by
-//! `mkdir -p` run as `user` through the agent's `exec`, so they get its ownership and its
-//! permission checks.
+//! Paths resolve against the user's home (see [`super::resolve`]). The runtime's file calls
+//! run as root; where envd gives the caller's account ownership of what it creates
+//! (`MakeDir`, the parents `Move` creates) the runtime's `mkdir` is asked to make them as the
+//! caller, so they get its ownership and its permission checks.
 //!
 //! `EntryInfo.owner`/`group`: the agent reports no uid/gid, so they are inferred: `user`
 //! under `/home/user`, `root` elsewhere.
 //!
-//! Watches: the agent's `file_watch` (inotify) reports create, write, remove and rename
-//! (no chmod). `WatchDir` streams them; `CreateWatcher` keeps one running in the background
-//! and buffers its events (at most [`super::MAX_WATCHER_EVENTS`]) for `GetWatcherEvents`.
-//! A watch is in place once the agent has read the call; it sends no acknowledgement, so
-//! events in the first few milliseconds after the answer may be missed.
+//! Watches: the runtime's `watch` (inotify in the guest) reports create, write, remove and
+//! rename (no chmod); `WatchDir` streams them. `CreateWatcher`, `GetWatcherEvents` and
+//! `RemoveWatcher` are the runtime's polling watchers, which it keeps in its store: a server
+//! restart keeps them. A watch is in place once the agent has read the call; it sends no
+//! acknowledgement, so events in the first few milliseconds after the answer may be missed.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::Request;
@@ -27,19 +24,14 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
 use super::connect::{self, pj, Code, ConnectError};
-use super::{lock, rt_error, spawn_long, Abort, AbortOnDrop, E2bState, User};
-use crate::backend::with_sandbox;
+use super::{rt_error, spawn_long, E2bState, User};
 use crate::Backend;
-use ember_agent::client::ClientError;
-use ember_agent::protocol::{
-    Call, ErrorCode, EventKind, ExecRequest, ExitStatus, FileType, FileWatchRequest, FsOp,
+use ember_runtime::call::{
+    self, Cancel, CancelOnDrop, ErrorCode, EventKind, FileStat, FileType, FsOp, Io,
 };
 use ember_runtime::RuntimeError;
 
-/// Longest a watch may last (the agent client needs a deadline).
-const WATCH_LIMIT: Duration = Duration::from_secs(30 * 24 * 3600);
-/// How long `CreateWatcher` and `WatchDir` give the agent to read the watch call before they
-/// answer.
+/// How long `WatchDir` gives the agent to read the watch call before it answers.
 const WATCH_SETTLE: Duration = Duration::from_millis(50);
 
 // ------------------------------------------------------------------------------------------
@@ -216,27 +208,67 @@ pub async fn handle(st: E2bState, id: String, method: String, req: Request) -> R
     }
 }
 
-/// [`super::agent`] with a closure that answers Connect errors of its own.
-async fn agent<T: Send + 'static>(
+/// Sends one call; its error becomes the Connect error.
+async fn send<T: Send + 'static>(
+    st: &E2bState,
+    f: impl FnOnce(&dyn Backend) -> Result<T, RuntimeError> + Send + 'static,
+) -> Result<T, ConnectError> {
+    match st.app.spawn(f).await {
+        Ok(r) => r.map_err(Failure::Runtime),
+        Err(e) => Err(Failure::Join(e.to_string())),
+    }
+    .map_err(Failure::connect)
+}
+
+/// A call that failed: kept as the runtime's error where the caller looks at it (a missing
+/// guest path is often an answer, not a failure).
+enum Failure {
+    Runtime(RuntimeError),
+    Join(String),
+}
+
+impl Failure {
+    fn connect(self) -> ConnectError {
+        match self {
+            Failure::Runtime(e) => rt_error(e),
+            Failure::Join(e) => ConnectError::internal(format!("the call failed: {e}")),
+        }
+    }
+}
+
+/// Like [`send`], keeping the runtime's error for the caller to look at.
+async fn try_send<T: Send + 'static>(
+    st: &E2bState,
+    f: impl FnOnce(&dyn Backend) -> Result<T, RuntimeError> + Send + 'static,
+) -> Result<Result<T, RuntimeError>, ConnectError> {
+    st.app
+        .spawn(f)
+        .await
+        .map_err(|e| Failure::Join(e.to_string()).connect())
+}
+
+fn is_guest(e: &RuntimeError, want: ErrorCode) -> bool {
+    matches!(e, RuntimeError::Guest { code, .. } if *code == want)
+}
+
+/// `Stat` of `path`, keeping a guest error for the caller.
+async fn stat(
     st: &E2bState,
     id: &str,
-    call: &'static str,
-    args: Value,
-    f: impl FnOnce(&ember_runtime::Sandbox) -> Result<T, ConnectError> + Send + 'static,
-) -> Result<T, ConnectError> {
-    super::agent(st, id, call, args, move |sb| {
-        f(sb).map_err(super::CallError::Connect)
+    path: &str,
+) -> Result<Result<FileStat, RuntimeError>, ConnectError> {
+    let (id, path) = (id.to_string(), path.to_string());
+    try_send(st, move |b| b.call(call::Stat { id, path }, Io::none())).await
+}
+
+/// `mkdir -p path` as `user` (so that the directories are theirs, with their rights).
+async fn make_dirs(st: &E2bState, id: &str, path: &str, user: User) -> Result<(), ConnectError> {
+    let (id, path) = (id.to_string(), path.to_string());
+    let user = user.exec_user();
+    send(st, move |b| {
+        b.call(call::Mkdir { id, path, user }, Io::none())
     })
     .await
-}
-
-/// The Connect error of a guest call's error.
-fn guest(e: ember_runtime::SandboxError) -> ConnectError {
-    rt_error(RuntimeError::from(e))
-}
-
-fn is_guest(e: &ember_runtime::SandboxError, code: ErrorCode) -> bool {
-    matches!(e, ember_runtime::SandboxError::Agent { source, .. } if source.is_remote(code))
 }
 
 async fn unary(st: &E2bState, id: &str, method: &str, req: Request) -> Result<Value, ConnectError> {
@@ -249,130 +281,162 @@ async fn unary(st: &E2bState, id: &str, method: &str, req: Request) -> Result<Va
             "Stat" => {
                 let m: PathRequest = connect::read_unary(body).await?;
                 let path = super::resolve(&m.path, user)?;
-                let args = json!({"path": path});
-                agent(st, id, "e2b_stat", args, move |sb| {
-                    let s = sb.stat(&path).map_err(guest)?;
-                    let entry =
-                        entry_json(&path, base_name(&path), s.kind, s.size, s.mode, s.mtime_ms);
-                    Ok(json!({ "entry": entry }))
-                })
-                .await
+                let s = stat(st, id, &path).await?.map_err(rt_error)?;
+                let entry = entry_json(&path, base_name(&path), s.kind, s.size, s.mode, s.mtime_ms);
+                Ok(json!({ "entry": entry }))
             }
             "ListDir" => {
                 let m: ListDirRequest = connect::read_unary(body).await?;
                 let path = super::resolve(&m.path, user)?;
                 let depth = m.depth.max(1);
-                let args = json!({"path": path, "depth": depth});
-                agent(st, id, "e2b_list_dir", args, move |sb| {
-                    let s = sb.stat(&path).map_err(guest)?;
-                    if s.kind == FileType::File || s.kind == FileType::Other {
-                        return Err(ConnectError::invalid(format!(
-                            "path is not a directory: {path}"
-                        )));
-                    }
-                    let entries = sb.list(&path, depth).map_err(guest)?;
-                    let out: Vec<Value> = entries
-                        .iter()
-                        .filter(|e| e.kind != FileType::Other)
-                        .map(|e| entry_json(&e.path, &e.name, e.kind, e.size, e.mode, e.mtime_ms))
-                        .collect();
-                    Ok(json!({ "entries": out }))
+                let s = stat(st, id, &path).await?.map_err(rt_error)?;
+                if s.kind == FileType::File || s.kind == FileType::Other {
+                    return Err(ConnectError::invalid(format!(
+                        "path is not a directory: {path}"
+                    )));
+                }
+                let (sid, p) = (id.to_string(), path.clone());
+                let entries = send(st, move |b| {
+                    b.call(
+                        call::ListFiles {
+                            id: sid,
+                            path: p,
+                            depth,
+                        },
+                        Io::none(),
+                    )
                 })
-                .await
+                .await?;
+                let out: Vec<Value> = entries
+                    .iter()
+                    .filter(|e| e.kind != FileType::Other)
+                    .map(|e| entry_json(&e.path, &e.name, e.kind, e.size, e.mode, e.mtime_ms))
+                    .collect();
+                Ok(json!({ "entries": out }))
             }
             "MakeDir" => {
                 let m: PathRequest = connect::read_unary(body).await?;
                 let path = super::resolve(&m.path, user)?;
-                let args = json!({"path": path, "user": user.name()});
-                agent(st, id, "e2b_make_dir", args, move |sb| {
-                    match sb.stat(&path) {
-                        Ok(s) if s.kind == FileType::Dir => {
-                            return Err(ConnectError::new(
-                                Code::AlreadyExists,
-                                format!("directory already exists: {path}"),
-                            ))
-                        }
-                        Ok(_) => {
-                            return Err(ConnectError::invalid(format!(
-                                "path already exists but it is not a directory: {path}"
-                            )))
-                        }
-                        Err(e) if is_guest(&e, ErrorCode::NotFound) => {}
-                        Err(e) => return Err(guest(e)),
+                match stat(st, id, &path).await? {
+                    Ok(s) if s.kind == FileType::Dir => {
+                        return Err(ConnectError::new(
+                            Code::AlreadyExists,
+                            format!("directory already exists: {path}"),
+                        ))
                     }
-                    make_dirs(sb, &path, user)?;
-                    let entry = json!({
-                        "name": base_name(&path), "type": "FILE_TYPE_DIRECTORY", "path": path,
-                    });
-                    Ok(json!({ "entry": entry }))
-                })
-                .await
+                    Ok(_) => {
+                        return Err(ConnectError::invalid(format!(
+                            "path already exists but it is not a directory: {path}"
+                        )))
+                    }
+                    Err(e) if is_guest(&e, ErrorCode::NotFound) => {}
+                    Err(e) => return Err(rt_error(e)),
+                }
+                make_dirs(st, id, &path, user).await?;
+                let entry = json!({
+                    "name": base_name(&path), "type": "FILE_TYPE_DIRECTORY", "path": path,
+                });
+                Ok(json!({ "entry": entry }))
             }
             "Move" => {
                 let m: MoveRequest = connect::read_unary(body).await?;
                 let from = super::resolve(&m.source, user)?;
                 let to = super::resolve(&m.destination, user)?;
-                let args = json!({"from": from, "to": to});
-                agent(st, id, "e2b_move", args, move |sb| {
-                    match sb.rename(&from, &to) {
-                        Ok(()) => {}
-                        Err(e) if is_guest(&e, ErrorCode::NotFound) => {
-                            // The source, or the destination's directory, is missing.
-                            if let Err(e) = sb.stat(&from) {
-                                return Err(if is_guest(&e, ErrorCode::NotFound) {
-                                    ConnectError::not_found(format!(
-                                        "source file not found: {from}"
-                                    ))
-                                } else {
-                                    guest(e)
-                                });
-                            }
-                            let parent = match to.rsplit_once('/') {
-                                Some(("", _)) | None => "/".to_string(),
-                                Some((p, _)) => p.to_string(),
-                            };
-                            make_dirs(sb, &parent, user)?;
-                            sb.rename(&from, &to).map_err(guest)?;
-                        }
-                        Err(e) => return Err(guest(e)),
+                let rename = |st: &E2bState| {
+                    let (id, from, to) = (id.to_string(), from.clone(), to.clone());
+                    let st = st.clone();
+                    async move {
+                        try_send(&st, move |b| {
+                            b.call(call::Rename { id, from, to }, Io::none())
+                        })
+                        .await
                     }
-                    let s = sb.stat(&to).map_err(guest)?;
-                    let entry = entry_json(&to, base_name(&to), s.kind, s.size, s.mode, s.mtime_ms);
-                    Ok(json!({ "entry": entry }))
-                })
-                .await
+                };
+                match rename(st).await? {
+                    Ok(()) => {}
+                    Err(e) if is_guest(&e, ErrorCode::NotFound) => {
+                        // The source, or the destination's directory, is missing.
+                        match stat(st, id, &from).await? {
+                            Ok(_) => {}
+                            Err(e) if is_guest(&e, ErrorCode::NotFound) => {
+                                return Err(ConnectError::not_found(format!(
+                                    "source file not found: {from}"
+                                )))
+                            }
+                            Err(e) => return Err(rt_error(e)),
+                        }
+                        let parent = match to.rsplit_once('/') {
+                            Some(("", _)) | None => "/".to_string(),
+                            Some((p, _)) => p.to_string(),
+                        };
+                        make_dirs(st, id, &parent, user).await?;
+                        rename(st).await?.map_err(rt_error)?;
+                    }
+                    Err(e) => return Err(rt_error(e)),
+                }
+                let s = stat(st, id, &to).await?.map_err(rt_error)?;
+                let entry = entry_json(&to, base_name(&to), s.kind, s.size, s.mode, s.mtime_ms);
+                Ok(json!({ "entry": entry }))
             }
             "Remove" => {
                 let m: PathRequest = connect::read_unary(body).await?;
                 let path = super::resolve(&m.path, user)?;
-                let args = json!({"path": path});
-                agent(st, id, "e2b_remove", args, move |sb| {
-                    match sb.remove(&path, true) {
-                        // envd removes with os.RemoveAll: a missing path is fine.
-                        Err(e) if !is_guest(&e, ErrorCode::NotFound) => Err(guest(e)),
-                        _ => Ok(json!({})),
-                    }
+                let sid = id.to_string();
+                let r = try_send(st, move |b| {
+                    b.call(
+                        call::Remove {
+                            id: sid,
+                            path,
+                            recursive: true,
+                        },
+                        Io::none(),
+                    )
                 })
-                .await
+                .await?;
+                match r {
+                    // envd removes with os.RemoveAll: a missing path is fine.
+                    Err(e) if !is_guest(&e, ErrorCode::NotFound) => Err(rt_error(e)),
+                    _ => Ok(json!({})),
+                }
             }
             "CreateWatcher" => {
                 let m: WatchRequest = connect::read_unary(body).await?;
-                create_watcher(st, id, m, user).await
+                let path = super::resolve(&m.path, user)?;
+                check_watch_path(st, id, &path).await?;
+                let (sid, recursive) = (id.to_string(), m.recursive);
+                let watcher = send(st, move |b| {
+                    b.call(
+                        call::WatcherCreate {
+                            id: sid,
+                            path,
+                            recursive,
+                        },
+                        Io::none(),
+                    )
+                })
+                .await?;
+                Ok(json!({ "watcherId": watcher }))
             }
             "GetWatcherEvents" => {
                 let m: WatcherRequest = connect::read_unary(body).await?;
-                let w = st.rpc.watcher(id, &m.watcher_id)?;
-                if let Some(e) = lock(&w.error).clone() {
-                    return Err(e);
-                }
-                let events: Vec<Value> = lock(&w.events).drain(..).collect();
+                let (sid, watcher) = (id.to_string(), m.watcher_id);
+                let changes = send(st, move |b| {
+                    b.call(call::WatcherEvents { id: sid, watcher }, Io::none())
+                })
+                .await?;
+                let events: Vec<Value> = changes
+                    .iter()
+                    .filter_map(|c| change_json(&c.name, c.op))
+                    .collect();
                 Ok(json!({ "events": events }))
             }
             "RemoveWatcher" => {
                 let m: WatcherRequest = connect::read_unary(body).await?;
-                let w = st.rpc.watcher(id, &m.watcher_id)?;
-                lock(&st.rpc.watchers).remove(&m.watcher_id);
-                w.abort.fire();
+                let (sid, watcher) = (id.to_string(), m.watcher_id);
+                send(st, move |b| {
+                    b.call(call::WatcherRemove { id: sid, watcher }, Io::none())
+                })
+                .await?;
                 Ok(json!({}))
             }
             _ => Err(ConnectError::new(Code::Unimplemented, method.to_string())),
@@ -381,86 +445,23 @@ async fn unary(st: &E2bState, id: &str, method: &str, req: Request) -> Result<Va
     super::within(deadline, work).await
 }
 
-/// `mkdir -p path`: by the agent for root; as `user` through `exec` for user (so that the
-/// directories are theirs, and their permissions apply).
-fn make_dirs(sb: &ember_runtime::Sandbox, path: &str, user: User) -> Result<(), ConnectError> {
-    if user == User::Root {
-        return sb.mkdir(path).map_err(guest);
-    }
-    let req = ExecRequest {
-        argv: vec!["/bin/mkdir".into(), "-p".into(), "--".into(), path.into()],
-        timeout_ms: Some(30_000),
-        user: user.exec_user(),
-        ..Default::default()
-    };
-    let mut stderr = Vec::new();
-    let mut exit = None;
-    sb.exec(&req, |ev| match ev {
-        EventKind::Stderr { data } if stderr.len() < 4096 => stderr.extend_from_slice(data),
-        EventKind::Exit(s) => exit = Some(*s),
-        _ => {}
-    })
-    .map_err(guest)?;
-    if exit == Some(ExitStatus::Code(0)) {
-        return Ok(());
-    }
-    let text = String::from_utf8_lossy(&stderr).trim().to_string();
-    let code = if text.contains("Permission denied") || text.contains("Read-only file system") {
-        Code::PermissionDenied
-    } else if text.contains("File exists") || text.contains("Not a directory") {
-        Code::InvalidArgument
-    } else {
-        Code::Internal
-    };
-    Err(ConnectError::new(
-        code,
-        format!(
-            "creating directory {path}: {}",
-            if text.is_empty() {
-                "mkdir failed"
-            } else {
-                &text
-            }
-        ),
-    ))
-}
-
-/// Checks that `path` is a directory to watch.
+/// Checks that `path` is a directory to watch (envd's errors, before a stream starts).
 async fn check_watch_path(st: &E2bState, id: &str, path: &str) -> Result<(), ConnectError> {
-    let p = path.to_string();
-    agent(
-        st,
-        id,
-        "e2b_watch_check",
-        json!({"path": path}),
-        move |sb| match sb.stat(&p) {
-            Ok(s) if s.kind == FileType::Dir => Ok(()),
-            Ok(_) => Err(ConnectError::invalid(format!("path {p} not a directory"))),
-            Err(e) if is_guest(&e, ErrorCode::NotFound) => {
-                Err(ConnectError::not_found(format!("path {p} not found")))
-            }
-            Err(e) => Err(guest(e)),
-        },
-    )
-    .await
-}
-
-/// Whether `name` is the agent's temporary file of an atomic write
-/// (`.<name>.ember-<hex>`): its events are noise envd would not report (the final rename
-/// shows as the target's `create`).
-fn is_agent_temp(path: &str) -> bool {
-    let name = base_name(path);
-    name.starts_with('.')
-        && name.rsplit_once(".ember-").is_some_and(|(head, hex)| {
-            head.len() > 1 && !hex.is_empty() && hex.bytes().all(|c| c.is_ascii_hexdigit())
-        })
-}
-
-/// A `FilesystemEvent` for an agent event under `root` (`None`: not reported).
-fn fs_event(root: &str, path: &str, op: FsOp) -> Option<Value> {
-    if is_agent_temp(path) {
-        return None;
+    match stat(st, id, path).await? {
+        Ok(s) if s.kind == FileType::Dir => Ok(()),
+        Ok(_) => Err(ConnectError::invalid(format!(
+            "path {path} not a directory"
+        ))),
+        Err(e) if is_guest(&e, ErrorCode::NotFound) => {
+            Err(ConnectError::not_found(format!("path {path} not found")))
+        }
+        Err(e) => Err(rt_error(e)),
     }
+}
+
+/// A `FilesystemEvent` for a change to `name` (relative to the watched directory; `None`:
+/// not reported).
+fn change_json(name: &str, op: FsOp) -> Option<Value> {
     let kind = match op {
         FsOp::Create => "EVENT_TYPE_CREATE",
         FsOp::Write => "EVENT_TYPE_WRITE",
@@ -468,54 +469,12 @@ fn fs_event(root: &str, path: &str, op: FsOp) -> Option<Value> {
         FsOp::Rename => "EVENT_TYPE_RENAME",
         FsOp::Unknown => return None,
     };
-    let name = if root == "/" {
-        path.trim_start_matches('/')
-    } else {
-        path.strip_prefix(root)
-            .and_then(|r| r.strip_prefix('/'))
-            .unwrap_or(path)
-    };
     Some(json!({"name": name, "type": kind}))
 }
 
-/// Watches `path` until the abort fires; each event goes to `on_event` (false: stop).
-/// `armed` is told when the call is about to be sent.
-fn watch(
-    b: &dyn Backend,
-    id: &str,
-    path: &str,
-    recursive: bool,
-    abort: &Abort,
-    armed: oneshot::Sender<()>,
-    mut on_event: impl FnMut(Value) -> bool,
-) -> Result<(), RuntimeError> {
-    let args = json!({"path": path, "recursive": recursive});
-    with_sandbox(b, id, "e2b_watch", args, |sb| {
-        Ok(sb.with_client("file_watch", |c| {
-            if !abort.arm(c.get_ref()) {
-                return Err(ClientError::Closed);
-            }
-            let _ = armed.send(());
-            let call = Call::FileWatch(FileWatchRequest {
-                path: path.to_string(),
-                recursive,
-            });
-            let r = c.call(&call, WATCH_LIMIT, |ev| {
-                if let EventKind::FsEvent { path: p, op } = ev {
-                    if let Some(v) = fs_event(path, &p, op) {
-                        if !on_event(v) {
-                            return Err(ClientError::Closed);
-                        }
-                    }
-                }
-                Ok(())
-            });
-            if abort.disarm() && r.is_ok() {
-                return Err(ClientError::Closed);
-            }
-            r.map(drop)
-        })?)
-    })
+/// A `FilesystemEvent` for a change to `path` under the watched `root`.
+fn fs_event(root: &str, path: &str, op: FsOp) -> Option<Value> {
+    change_json(ember_runtime::relative_name(root, path), op)
 }
 
 async fn watch_dir(st: &E2bState, id: &str, req: Request) -> Result<Response, ConnectError> {
@@ -527,26 +486,44 @@ async fn watch_dir(st: &E2bState, id: &str, req: Request) -> Result<Response, Co
     let m: WatchRequest = connect::read_stream_request(body).await?;
     let path = super::resolve(&m.path, user)?;
     check_watch_path(st, id, &path).await?;
-    let abort = Arc::new(Abort::default());
-    st.rpc.add_stream(id, &abort);
+    let cancel = Cancel::new();
     let (ev_tx, mut ev_rx) = mpsc::channel::<Result<Value, RuntimeError>>(64);
     let (armed_tx, armed_rx) = oneshot::channel();
-    let (b, sid, wpath, wabort) = (st.backend(), id.to_string(), path.clone(), abort.clone());
+    let (b, sid, wpath, wcancel) = (st.backend(), id.to_string(), path.clone(), cancel.clone());
     let recursive = m.recursive;
     spawn_long(&st.rpc, "e2b-watch", move || {
         let tx = ev_tx.clone();
-        let r = watch(&*b, &sid, &wpath, recursive, &wabort, armed_tx, |v| {
-            tx.blocking_send(Ok(v)).is_ok()
-        });
+        let mut armed = Some(armed_tx);
+        let mut on_event = |ev: &EventKind| match ev {
+            EventKind::Started { .. } => {
+                if let Some(a) = armed.take() {
+                    let _ = a.send(());
+                }
+                true
+            }
+            EventKind::FsEvent { path: p, op } => match fs_event(&wpath, p, *op) {
+                Some(v) => tx.blocking_send(Ok(v)).is_ok(),
+                None => true,
+            },
+            _ => true,
+        };
+        let watch = call::Watch {
+            id: sid,
+            path: wpath.clone(),
+            recursive,
+        };
+        let r = b.call(watch, Io::events(&mut on_event).with_cancel(wcancel));
         if let Err(e) = r {
             let _ = ev_tx.blocking_send(Err(e));
         }
     })?;
+    // The watch is in place once the agent has read the call (it sends no
+    // acknowledgement): the runtime says when the call left, this gives the agent a moment.
     let _ = armed_rx.await;
     tokio::time::sleep(WATCH_SETTLE).await;
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     let _ = tx.try_send(connect::message_frame(&json!({"start": {}})));
-    let pump_abort = abort.clone();
+    let pump_cancel = cancel.clone();
     tokio::spawn(async move {
         let deadline_fut = async {
             match deadline {
@@ -559,20 +536,20 @@ async fn watch_dir(st: &E2bState, id: &str, req: Request) -> Result<Response, Co
         ka.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let end = loop {
             tokio::select! {
-                _ = tx.closed() => { pump_abort.fire(); return; }
+                _ = tx.closed() => { pump_cancel.fire(); return; }
                 _ = &mut deadline_fut => {
                     break Some(ConnectError::new(Code::DeadlineExceeded, "the watch ran longer than the request's timeout"));
                 }
                 _ = ka.tick() => {
                     if tx.send(connect::message_frame(&json!({"keepalive": {}}))).await.is_err() {
-                        pump_abort.fire();
+                        pump_cancel.fire();
                         return;
                     }
                 }
                 m = ev_rx.recv() => match m {
                     Some(Ok(v)) => {
                         if tx.send(connect::message_frame(&json!({"filesystem": v}))).await.is_err() {
-                            pump_abort.fire();
+                            pump_cancel.fire();
                             return;
                         }
                         ka.reset();
@@ -582,95 +559,10 @@ async fn watch_dir(st: &E2bState, id: &str, req: Request) -> Result<Response, Co
                 }
             }
         };
-        pump_abort.fire();
+        pump_cancel.fire();
         let _ = tx.send(connect::end_frame(end.as_ref())).await;
     });
-    Ok(connect::stream_response(rx, AbortOnDrop(abort)))
-}
-
-/// A polling watcher.
-#[derive(Debug)]
-pub(crate) struct Watcher {
-    pub(crate) sandbox: String,
-    pub(crate) abort: Arc<Abort>,
-    events: Mutex<VecDeque<Value>>,
-    error: Mutex<Option<ConnectError>>,
-}
-
-impl super::RpcState {
-    fn watcher(&self, sandbox: &str, id: &str) -> Result<Arc<Watcher>, ConnectError> {
-        lock(&self.watchers)
-            .get(id)
-            .filter(|w| w.sandbox == sandbox)
-            .cloned()
-            .ok_or_else(|| ConnectError::not_found(format!("watcher with id {id} not found")))
-    }
-}
-
-async fn create_watcher(
-    st: &E2bState,
-    id: &str,
-    m: WatchRequest,
-    user: User,
-) -> Result<Value, ConnectError> {
-    let path = super::resolve(&m.path, user)?;
-    check_watch_path(st, id, &path).await?;
-    let watcher_id = format!("w{}", ember_runtime::paths::random_id());
-    let w = Arc::new(Watcher {
-        sandbox: id.to_string(),
-        abort: Arc::new(Abort::default()),
-        events: Mutex::new(VecDeque::new()),
-        error: Mutex::new(None),
-    });
-    {
-        let mut all = lock(&st.rpc.watchers);
-        // Watchers whose watch ended (the sandbox went away) make room first.
-        let n = all.values().filter(|x| x.sandbox == id).count();
-        if n >= super::MAX_WATCHERS_PER_SANDBOX {
-            all.retain(|_, x| x.sandbox != id || lock(&x.error).is_none());
-        }
-        if all.values().filter(|x| x.sandbox == id).count() >= super::MAX_WATCHERS_PER_SANDBOX {
-            return Err(ConnectError::new(
-                Code::ResourceExhausted,
-                format!(
-                    "sandbox {id} has {} watchers already; remove some",
-                    super::MAX_WATCHERS_PER_SANDBOX
-                ),
-            ));
-        }
-        all.insert(watcher_id.clone(), w.clone());
-    }
-    let (armed_tx, armed_rx) = oneshot::channel();
-    let (b, sid, tw) = (st.backend(), id.to_string(), w.clone());
-    let recursive = m.recursive;
-    let started = spawn_long(&st.rpc, "e2b-watcher", move || {
-        let r = watch(&*b, &sid, &path, recursive, &tw.abort, armed_tx, |v| {
-            let mut q = lock(&tw.events);
-            if q.len() >= super::MAX_WATCHER_EVENTS {
-                q.pop_front();
-            }
-            q.push_back(v);
-            true
-        });
-        if let Err(e) = r {
-            if !tw.abort.fired() {
-                *lock(&tw.error) = Some(rt_error(e));
-            }
-        } else if !tw.abort.fired() {
-            *lock(&tw.error) = Some(ConnectError::internal("the watch ended"));
-        }
-    });
-    if let Err(e) = started {
-        lock(&st.rpc.watchers).remove(&watcher_id);
-        return Err(e);
-    }
-    let _ = armed_rx.await;
-    tokio::time::sleep(WATCH_SETTLE).await;
-    if let Some(e) = lock(&w.error).clone() {
-        lock(&st.rpc.watchers).remove(&watcher_id);
-        return Err(e);
-    }
-    Ok(json!({ "watcherId": watcher_id }))
+    Ok(connect::stream_response(rx, CancelOnDrop(cancel)))
 }
 
 #[cfg(test)]
@@ -745,12 +637,6 @@ mod tests {
             Some(json!({"name": "x", "type": "EVENT_TYPE_REMOVE"}))
         );
         assert_eq!(fs_event("/d", "/d/x", FsOp::Unknown), None);
-        assert_eq!(
-            fs_event("/d", "/d/.f.txt.ember-0c41f657", FsOp::Create),
-            None
-        );
-        assert!(fs_event("/d", "/d/.ember-1", FsOp::Create).is_some());
-        assert!(fs_event("/d", "/d/.x.ember-zz", FsOp::Create).is_some());
         assert_eq!(base_name("/home/user/a.txt"), "a.txt");
         assert_eq!(base_name("/"), "/");
     }

@@ -22,7 +22,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use ember_agent::protocol::{Call, ContextCreateRequest, ErrorCode, EventKind, RunCodeRequest};
+use ember_runtime::call::{ContextInfo, ErrorCode, EventKind, RunCodeRequest};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
@@ -31,7 +31,6 @@ use tracing::Span;
 
 use super::target::{gone_or, Target};
 use super::{E2bError, E2bJson, E2bState};
-use crate::backend::with_sandbox;
 use crate::Backend;
 use ember_runtime::RuntimeError;
 
@@ -361,27 +360,20 @@ const E2B_CWD: &str = "/home/user";
 /// concurrent first call is fine.
 fn make_default_context(b: &dyn Backend, id: &str, ctx: &str) -> Result<(), RuntimeError> {
     let language = if ctx == E2B_BASH { "bash" } else { "python" };
-    let args = json!({ "context": ctx, "language": language, "cwd": E2B_CWD });
-    with_sandbox(b, id, "context_create", args, |sb| {
-        let req = ContextCreateRequest {
-            language: language.into(),
-            cwd: Some(E2B_CWD.into()),
-            env: sb.template_env().clone(),
-            id: Some(ctx.into()),
-        };
-        match sb.call(&Call::ContextCreate(req), Duration::from_secs(600), |_| {
-            Ok(())
-        }) {
-            Ok(_) => Ok(()),
-            Err(e) => match RuntimeError::from(e) {
-                RuntimeError::Guest {
-                    code: ErrorCode::Exists,
-                    ..
-                } => Ok(()),
-                e => Err(e),
-            },
-        }
-    })
+    let create = call::ContextCreate {
+        id: id.to_string(),
+        language: language.to_string(),
+        cwd: Some(E2B_CWD.to_string()),
+        context: Some(ctx.to_string()),
+    };
+    match b.call(create, Io::none()) {
+        Ok(_) => Ok(()),
+        Err(RuntimeError::Guest {
+            code: ErrorCode::Exists,
+            ..
+        }) => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 /// Runs the code, sending lines; the last message is always `Done`. With `implicit`, the
@@ -517,7 +509,7 @@ struct ContextBody {
     cwd: Option<String>,
 }
 
-fn context_json(c: &ember_agent::protocol::ContextInfo) -> Value {
+fn context_json(c: &ContextInfo) -> Value {
     json!({"id": c.id, "language": c.language, "cwd": c.cwd})
 }
 
@@ -540,6 +532,7 @@ async fn create_context(
                     id: id.to_string(),
                     language: lang.to_string(),
                     cwd: Some(&cwd).map(|s| s.to_string()),
+                    context: None,
                 },
                 Io::none(),
             )
@@ -688,7 +681,7 @@ mod tests {
         assert_eq!(out[0]["type"], "stdout");
         assert_eq!(out[0]["text"], "hi\n");
         assert!(out[0]["timestamp"].is_string());
-        let r = ember_agent::protocol::ResultData {
+        let r = ember_runtime::call::ResultData {
             data: serde_json::from_value(json!({"text/plain": "2"})).unwrap(),
             execution_count: Some(3),
         };
@@ -699,7 +692,7 @@ mod tests {
         );
         assert_eq!(out[1]["text"], "2");
         assert!(t.count(3).is_none());
-        let x = ember_agent::protocol::Exception {
+        let x = ember_runtime::call::Exception {
             name: "ZeroDivisionError".into(),
             value: "division by zero".into(),
             traceback: vec!["a".into(), "b".into()],

@@ -819,9 +819,9 @@ mod tests {
     }
 }
 
-/// What the E2B adapter may reach: the call surface, not the store, and (a ratchet while the
-/// last raw agent calls move into the runtime) the agent protocol and raw sandbox handles
-/// only in the files that still use them.
+/// What the E2B adapter may reach: the runtime's call surface, never the store, the agent
+/// protocol or a raw sandbox handle (the server crate does not even depend on the agent
+/// crate: the call surface names the guest's vocabulary itself).
 #[cfg(test)]
 mod boundaries {
     const FILES: &[(&str, &str)] = &[
@@ -836,14 +836,6 @@ mod boundaries {
         ("rpc.rs", include_str!("rpc.rs")),
         ("target.rs", include_str!("target.rs")),
         ("tls.rs", include_str!("tls.rs")),
-    ];
-    /// Files that still speak the agent protocol or hold a raw `Sandbox`: none may be added.
-    const STILL_RAW: &[&str] = &[
-        "envd.rs",
-        "filesystem.rs",
-        "interp.rs",
-        "process.rs",
-        "rpc.rs",
     ];
 
     fn code(text: &str) -> String {
@@ -866,7 +858,16 @@ mod boundaries {
     }
 
     #[test]
-    fn no_new_e2b_file_speaks_the_agent_protocol_or_holds_a_sandbox() {
+    fn the_server_does_not_depend_on_the_agent_protocol() {
+        let manifest = include_str!("../../Cargo.toml");
+        assert!(
+            !manifest.contains("ember-agent"),
+            "server/Cargo.toml: the server speaks the runtime's call surface, not the agent's"
+        );
+    }
+
+    #[test]
+    fn no_e2b_file_speaks_the_agent_protocol_or_holds_a_sandbox() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/e2b");
         let on_disk = std::fs::read_dir(&dir)
             .unwrap()
@@ -883,15 +884,20 @@ mod boundaries {
         );
         for (name, text) in FILES {
             let code = code(text);
-            let raw = ["ember_agent", "ember_runtime::Sandbox", "with_sandbox"]
-                .iter()
-                .find(|bad| code.contains(**bad));
-            if let Some(bad) = raw {
-                assert!(
-                    STILL_RAW.contains(name),
-                    "e2b/{name} uses {bad}: send a call (ember_runtime::call) instead"
-                );
-            }
+            let raw = [
+                "ember_agent",
+                "ember_runtime::Sandbox",
+                "SandboxError",
+                "with_sandbox",
+                "with_client",
+            ]
+            .iter()
+            .find(|bad| code.contains(**bad));
+            assert!(
+                raw.is_none(),
+                "e2b/{name} uses {}: send a call (ember_runtime::call) instead",
+                raw.unwrap_or(&"")
+            );
         }
     }
 }

@@ -1,10 +1,11 @@
 //! `process.Process`: programs in the sandbox, as envd runs them.
 //!
-//! A process is a background `exec` in the agent (its own session and process group), so it
-//! outlives the request that started it and can be re-attached. Its output stream is an
-//! agent `process_attach`, which first replays what the program wrote so far (the agent
-//! keeps the last 1 MiB of each stream), so nothing written between `Start`'s `exec` and its
-//! attach is lost; a `Connect` to a running process also gets that replay.
+//! A process is the runtime's `process_start` (a background program in its own session and
+//! process group), so it outlives the request that started it and can be re-attached; the
+//! runtime records its tag and config. Its output stream is the runtime's `process_attach`,
+//! which first replays what the program wrote so far (the last 1 MiB of each stream), so
+//! nothing written between `Start` and its attach is lost; a `Connect` to a running process
+//! also gets that replay.
 //!
 //! - `Start`: `start{pid}`, then `data` (`stdout`/`stderr`, or `pty` for a terminal),
 //!   `keepalive` every `Keepalive-Ping-Interval` seconds without output, then
@@ -33,17 +34,12 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::connect::{self, pj, Code, ConnectError};
-use super::{agent, fail, rt_error, spawn_long, Abort, AbortOnDrop, E2bState};
-use crate::backend::with_sandbox;
+use super::{fail, rt_error, send, spawn_long, E2bState};
 use crate::Backend;
-use ember_agent::client::ClientError;
-use ember_agent::protocol::{
-    self, Call, EndStatus, EventKind, ExecRequest, ExitStatus, PidRequest, PtySize,
+use ember_runtime::call::{
+    Cancel, CancelOnDrop, EndStatus, EventKind, ExecRequest, ExitStatus, ProcessInfo, PtySize,
 };
-use ember_runtime::{ProcessRecord, RuntimeError};
-
-/// Longest an attach may last (the agent client needs a deadline).
-const ATTACH_LIMIT: Duration = Duration::from_secs(30 * 24 * 3600);
+use ember_runtime::{ProcessEnd, ProcessRecord, RuntimeError};
 
 // ------------------------------------------------------------------------------------------
 // Messages
@@ -343,9 +339,10 @@ async fn unary(st: &E2bState, id: &str, method: &str, req: Request) -> Result<Va
                 let m: SendInputRequest = connect::read_unary(body).await?;
                 let pid = select(st, id, m.process.as_ref()).await?;
                 let data = m.input.map(InputMsg::bytes).unwrap_or_default();
-                let args = json!({"pid": pid, "bytes": data.len()});
-                agent(st, id, "e2b_send_input", args, move |sb| {
-                    Ok(sb.stdin_write(pid as i32, &data)?)
+                let id = id.to_string();
+                send(st, move |b| {
+                    let mut input = std::io::Cursor::new(data);
+                    b.call(call::StdinWrite { id, pid }, Io::input(&mut input))
                 })
                 .await?;
                 Ok(json!({}))
@@ -359,9 +356,10 @@ async fn unary(st: &E2bState, id: &str, method: &str, req: Request) -> Result<Va
                         "signal {sig} is not one of SIGNAL_SIGTERM, SIGNAL_SIGKILL"
                     )));
                 }
-                let args = json!({"pid": pid, "signal": sig});
-                agent(st, id, "e2b_send_signal", args, move |sb| {
-                    Ok(sb.process_signal(pid as i32, sig)?)
+                let (id, pid) = (id.to_string(), pid as i32);
+                send(st, move |b| {
+                    let signal = sig;
+                    b.call(call::ProcessSignal { id, pid, signal }, Io::none())
                 })
                 .await?;
                 Ok(json!({}))
@@ -369,8 +367,9 @@ async fn unary(st: &E2bState, id: &str, method: &str, req: Request) -> Result<Va
             "CloseStdin" => {
                 let m: SelectorRequest = connect::read_unary(body).await?;
                 let pid = select(st, id, m.process.as_ref()).await?;
-                agent(st, id, "e2b_close_stdin", json!({"pid": pid}), move |sb| {
-                    Ok(sb.stdin_close(pid as i32)?)
+                let id = id.to_string();
+                send(st, move |b| {
+                    b.call(call::StdinClose { id, pid }, Io::none())
                 })
                 .await?;
                 Ok(json!({}))
@@ -380,9 +379,18 @@ async fn unary(st: &E2bState, id: &str, method: &str, req: Request) -> Result<Va
                 let pid = select(st, id, m.process.as_ref()).await?;
                 if let Some(pty) = m.pty {
                     let size = pty.size()?;
-                    let args = json!({"pid": pid, "cols": size.cols, "rows": size.rows});
-                    agent(st, id, "e2b_process_resize", args, move |sb| {
-                        Ok(sb.process_resize(pid as i32, size.cols, size.rows)?)
+                    let id = id.to_string();
+                    send(st, move |b| {
+                        let (cols, rows) = (size.cols, size.rows);
+                        b.call(
+                            call::ProcessResize {
+                                id,
+                                pid,
+                                cols,
+                                rows,
+                            },
+                            Io::none(),
+                        )
                     })
                     .await?;
                 }
@@ -444,13 +452,15 @@ fn forget(st: &E2bState, id: &str, pid: u32) {
     });
 }
 
+/// The programs the runtime says the agent started in `id`.
+async fn process_list(st: &E2bState, id: &str) -> Result<Vec<ProcessInfo>, ConnectError> {
+    let id = id.to_string();
+    send(st, move |b| b.call(call::ProcessList { id }, Io::none())).await
+}
+
 async fn list(st: &E2bState, id: &str) -> Result<Value, ConnectError> {
-    let procs = agent(st, id, "e2b_process_list", json!({}), |sb| {
-        Ok(sb.process_list()?)
-    })
-    .await?;
-    let running: Vec<&protocol::ProcessInfo> =
-        procs.iter().filter(|p| p.running && p.background).collect();
+    let procs = process_list(st, id).await?;
+    let running: Vec<&ProcessInfo> = procs.iter().filter(|p| p.running && p.background).collect();
     let pids: Vec<u32> = running.iter().map(|p| p.pid as u32).collect();
     let records = records(st, id, Some(pids)).await?;
     let out: Vec<Value> = running
@@ -524,35 +534,24 @@ async fn start_inner(st: &E2bState, id: &str, req: Request) -> Result<Response, 
         pty,
         user: user.exec_user(),
     };
-    let envs = config.envs.clone();
-    let args = json!({
-        "argv": exec.argv, "cwd": exec.cwd, "user": user.name(), "pty": pty.is_some(),
-        "tag": msg.tag, "timeout_ms": exec.timeout_ms,
-    });
-    let sid = id.to_string();
-    let job = st.app.spawn(move |b| {
-        let row_env = b
-            .call(
-                call::Get {
-                    id: sid.to_string(),
-                },
-                Io::none(),
-            )?
-            .env;
-        with_sandbox(b, &sid, "e2b_process_start", args, move |sb| {
-            let mut exec = exec;
-            let mut env = sb.template_env().clone();
-            env.extend(row_env);
-            env.extend(envs);
-            exec.env = env;
-            Ok(sb.exec_background(&exec)?)
-        })
-    });
-    let pid = match job.await {
-        Ok(Ok(pid)) => pid,
-        Ok(Err(e)) => {
-            st.rpc.note_error(id, &e);
-            let mut e = rt_error(e);
+    let exec = ExecRequest {
+        env: config.envs.clone(),
+        ..exec
+    };
+    let (sid, tag, cfg) = (id.to_string(), msg.tag, config.to_json());
+    let started = send(st, move |b| {
+        let start = call::ProcessStart {
+            id: sid,
+            req: exec,
+            tag,
+            config: cfg,
+        };
+        b.call(start, Io::none())
+    })
+    .await;
+    let pid = match started {
+        Ok(pid) => pid,
+        Err(mut e) => {
             if e.code == Code::InvalidArgument {
                 e.message = format!(
                     "error starting process '{}' in '{}': {}",
@@ -563,35 +562,7 @@ async fn start_inner(st: &E2bState, id: &str, req: Request) -> Result<Response, 
             }
             return Err(e);
         }
-        Err(e) => return Err(ConnectError::internal(format!("the call failed: {e}"))),
     };
-    let pid = u32::try_from(pid)
-        .map_err(|_| ConnectError::internal(format!("the agent answered pid {pid}")))?;
-    let record = ProcessRecord {
-        pid,
-        tag: msg.tag,
-        config: config.to_json(),
-    };
-    let sid = id.to_string();
-    let remembered = st
-        .app
-        .call(move |b| {
-            b.call(
-                call::ProcessRemember {
-                    id: sid,
-                    process: record,
-                },
-                Io::none(),
-            )
-        })
-        .await;
-    if let Err(e) = remembered {
-        // The process runs; only its tag and config are not kept.
-        tracing::warn!(
-            "sandbox {id}: process {pid} started but not recorded: {}",
-            e.message
-        );
-    }
     attach_stream(st, id, pid, pty.is_some(), deadline, keepalive, true)
 }
 
@@ -611,10 +582,7 @@ async fn connect_inner(st: &E2bState, id: &str, req: Request) -> Result<Response
     let msg: SelectorRequest = connect::read_stream_request(body).await?;
     let pid = select(st, id, msg.process.as_ref()).await?;
     // Check that it runs (so that an unknown pid fails before the `start` event).
-    let procs = agent(st, id, "e2b_process_list", json!({}), |sb| {
-        Ok(sb.process_list()?)
-    })
-    .await?;
+    let procs = process_list(st, id).await?;
     let Some(p) = procs
         .iter()
         .find(|p| p.pid as u32 == pid && p.background && p.running)
@@ -630,7 +598,7 @@ async fn connect_inner(st: &E2bState, id: &str, req: Request) -> Result<Response
 /// What the attach thread reports.
 enum AttachMsg {
     Data(Bytes),
-    End(Result<(EndStatus, Option<ExitStatus>), RuntimeError>),
+    End(Result<ProcessEnd, RuntimeError>),
 }
 
 /// The event stream of process `pid`: `start`, then its attach, keepalives, and the end.
@@ -643,8 +611,7 @@ fn attach_stream(
     keepalive: Duration,
     kill_at_deadline: bool,
 ) -> Result<Response, ConnectError> {
-    let abort = Arc::new(Abort::default());
-    st.rpc.add_stream(id, &abort);
+    let abort = Cancel::new();
     let (ev_tx, ev_rx) = mpsc::channel::<AttachMsg>(16);
     let b = st.backend();
     let sid = id.to_string();
@@ -668,51 +635,36 @@ fn attach_stream(
         kill_at_deadline,
     };
     tokio::spawn(pump.run());
-    Ok(connect::stream_response(rx, AbortOnDrop(abort)))
+    Ok(connect::stream_response(rx, CancelOnDrop(abort)))
 }
 
-/// Attaches to `pid` until it ends or the abort fires; output goes to `events`.
+/// Attaches to `pid` until it ends or the cancel fires; output goes to `events`.
 fn attach(
     b: &dyn Backend,
     id: &str,
     pid: u32,
     pty: bool,
-    abort: &Abort,
+    abort: &Arc<Cancel>,
     events: &mpsc::Sender<AttachMsg>,
-) -> Result<(EndStatus, Option<ExitStatus>), RuntimeError> {
+) -> Result<ProcessEnd, RuntimeError> {
     let (out_kind, err_kind) = if pty {
         ("pty", "pty")
     } else {
         ("stdout", "stderr")
     };
-    with_sandbox(b, id, "e2b_process_attach", json!({"pid": pid}), |sb| {
-        Ok(sb.with_client("process_attach", |c| {
-            if !abort.arm(c.get_ref()) {
-                return Err(ClientError::Closed);
-            }
-            let mut exit = None;
-            let call = Call::ProcessAttach(PidRequest { pid: pid as i32 });
-            let r = c.call(&call, ATTACH_LIMIT, |ev| {
-                let frame = match ev {
-                    EventKind::Stdout { data } => data_event(out_kind, &data),
-                    EventKind::Stderr { data } => data_event(err_kind, &data),
-                    EventKind::Exit(s) => {
-                        exit = Some(s);
-                        return Ok(());
-                    }
-                    _ => return Ok(()),
-                };
-                events
-                    .blocking_send(AttachMsg::Data(frame))
-                    .map_err(|_| ClientError::Closed)
-            });
-            // A connection shut down by the abort must not go back to the pool.
-            if abort.disarm() && r.is_ok() {
-                return Err(ClientError::Closed);
-            }
-            r.map(|status| (status, exit))
-        })?)
-    })
+    let mut on_event = |ev: &EventKind| {
+        let frame = match ev {
+            EventKind::Stdout { data } => data_event(out_kind, data),
+            EventKind::Stderr { data } => data_event(err_kind, data),
+            _ => return true,
+        };
+        events.blocking_send(AttachMsg::Data(frame)).is_ok()
+    };
+    let attach = call::ProcessAttach {
+        id: id.to_string(),
+        pid,
+    };
+    b.call(attach, Io::events(&mut on_event).with_cancel(abort.clone()))
 }
 
 /// Moves a process's events to its response, with keepalives and the deadline.
@@ -722,7 +674,7 @@ struct Pump {
     pid: u32,
     tx: mpsc::Sender<Bytes>,
     events: mpsc::Receiver<AttachMsg>,
-    abort: Arc<Abort>,
+    abort: Arc<Cancel>,
     deadline: Option<tokio::time::Instant>,
     keepalive: Duration,
     kill_at_deadline: bool,
@@ -787,25 +739,26 @@ impl Pump {
         }
     }
 
-    async fn finish(&self, r: Result<(EndStatus, Option<ExitStatus>), RuntimeError>) {
+    async fn finish(&self, r: Result<ProcessEnd, RuntimeError>) {
+        // (The runtime forgets the record of a process it saw end.)
         let frames = match r {
-            Ok((EndStatus::TimedOut, _)) => {
-                forget(&self.st, &self.id, self.pid);
+            Ok(ProcessEnd {
+                status: EndStatus::TimedOut,
+                ..
+            }) => {
                 let e = ConnectError::new(
                     Code::DeadlineExceeded,
                     "the process ran longer than the request's timeout",
                 );
                 vec![connect::end_frame(Some(&e))]
             }
-            Ok((_, exit)) => {
-                forget(&self.st, &self.id, self.pid);
+            Ok(ProcessEnd { exit, .. }) => {
                 vec![event(end_event_json(exit)), connect::end_frame(None)]
             }
             Err(e) => {
                 if self.abort.fired() {
                     return;
                 }
-                self.st.rpc.note_error(&self.id, &e);
                 let e = match rt_error(e) {
                     e if e.code == Code::NotFound => {
                         ConnectError::not_found(format!("process with pid {} not found", self.pid))
@@ -824,12 +777,10 @@ impl Pump {
 
     /// SIGKILL to the process group (the deadline passed).
     fn kill(&self) {
-        let (id, pid) = (self.id.clone(), self.pid);
-        let args = json!({"pid": pid, "signal": 9, "why": "deadline"});
+        let (id, pid) = (self.id.clone(), self.pid as i32);
         drop(self.st.app.spawn(move |b| {
-            let r = with_sandbox(b, &id, "e2b_process_timeout", args, |sb| {
-                Ok(sb.process_signal(pid as i32, 9)?)
-            });
+            let kill = call::ProcessSignal { id, pid, signal: 9 };
+            let r = b.call(kill, Io::none());
             if let Err(e) = &r {
                 tracing::debug!("killing pid {pid} at its deadline: {e}");
             }
@@ -862,15 +813,16 @@ async fn stream_input_inner(st: &E2bState, id: &str, req: Request) -> Result<(),
             ));
         };
         let pid = select(st, id, start.process.as_ref()).await?;
-        let (dtx, mut drx) = mpsc::channel::<Vec<u8>>(8);
+        let (dtx, drx) = mpsc::channel::<Vec<u8>>(8);
         let sid = id.to_string();
         let job = st.app.spawn(move |b| {
-            with_sandbox(b, &sid, "e2b_stream_input", json!({"pid": pid}), |sb| {
-                while let Some(data) = drx.blocking_recv() {
-                    sb.stdin_write(pid as i32, &data)?;
-                }
-                Ok(())
-            })
+            let mut input = ChannelReader {
+                rx: drx,
+                chunk: Vec::new(),
+                at: 0,
+            };
+            b.call(call::StdinWrite { id: sid, pid }, Io::input(&mut input))
+                .map(drop)
         });
         let mut read_err = None;
         loop {
@@ -896,10 +848,7 @@ async fn stream_input_inner(st: &E2bState, id: &str, req: Request) -> Result<(),
         drop(dtx);
         let r = match job.await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => {
-                st.rpc.note_error(id, &e);
-                Err(rt_error(e))
-            }
+            Ok(Err(e)) => Err(rt_error(e)),
             Err(e) => Err(ConnectError::internal(format!("the call failed: {e}"))),
         };
         match (r, read_err) {
@@ -916,6 +865,32 @@ async fn stream_input_inner(st: &E2bState, id: &str, req: Request) -> Result<(),
             ))
         }),
         None => work.await,
+    }
+}
+
+/// The chunks of a channel as one byte stream (`StdinWrite`'s input: each chunk goes to the
+/// program as it arrives).
+struct ChannelReader {
+    rx: mpsc::Receiver<Vec<u8>>,
+    chunk: Vec<u8>,
+    at: usize,
+}
+
+impl std::io::Read for ChannelReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.at >= self.chunk.len() {
+            match self.rx.blocking_recv() {
+                Some(c) => {
+                    self.chunk = c;
+                    self.at = 0;
+                }
+                None => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.chunk.len() - self.at);
+        buf[..n].copy_from_slice(&self.chunk[self.at..self.at + n]);
+        self.at += n;
+        Ok(n)
     }
 }
 

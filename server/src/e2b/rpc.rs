@@ -1,5 +1,5 @@
 //! Connect RPC services of envd (port 49983): `process.Process` and `filesystem.Filesystem`,
-//! JSON codec, served in the host process over the guest agent's protocol.
+//! JSON codec, served in the host process over the runtime's call surface.
 //!
 //! - `super::connect`: the protocol (envelopes, end frames, errors and their statuses,
 //!   headers, ProtoJSON helpers).
@@ -12,21 +12,18 @@
 //! The user of a call is `Authorization: Basic base64("<user>:")` (default `user`); `user`
 //! and `root` exist. Relative paths resolve against the user's home.
 //!
-//! Long-lived agent calls (attaches, watches) each hold an agent connection and a call slot
-//! of the sandbox, on a thread of their own (not the blocking pool). They are stopped by
-//! shutting their connection down when the client goes away, the deadline passes, the
-//! watcher is removed, or [`RpcState::forget_sandbox`] is called: call it before pausing or
-//! killing a sandbox, or a pause waits for them (up to the runtime's drain limit).
+//! Long-lived calls (`process_attach`, `watch`) run on a thread of their own (not the blocking
+//! pool), with a runtime `Cancel` that the response body fires when it is dropped (the client
+//! went away, the stream ended); the runtime fires it itself before it pauses or kills the
+//! sandbox. Everything here goes through the runtime's call surface.
 
 #[path = "filesystem.rs"]
 pub mod filesystem;
 #[path = "process.rs"]
 pub mod process;
 
-use std::collections::HashMap;
-use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::extract::Request;
 use axum::http::{header, HeaderMap, Method};
@@ -36,145 +33,18 @@ use base64::Engine as _;
 pub(crate) use super::connect;
 use super::E2bState;
 use connect::{Code, ConnectError};
-use ember_agent::protocol::{ErrorCode, ExecUser};
+use ember_runtime::call::{ErrorCode, ExecUser};
 use ember_runtime::RuntimeError;
 
-/// Most polling watchers per sandbox.
-pub const MAX_WATCHERS_PER_SANDBOX: usize = 64;
-/// Most events a polling watcher buffers between two `GetWatcherEvents`; older ones are
-/// dropped.
-pub const MAX_WATCHER_EVENTS: usize = 10_000;
-/// Most long-lived agent calls (attaches, watches) at once, server-wide.
+/// Most long-lived calls (attaches, watches) at once, server-wide: each holds a thread.
 pub const MAX_LONG_CALLS: usize = 1024;
 
-/// Per-server state of the RPC services: polling watchers and the aborts of open streams.
-/// Processes' configs and tags are the runtime's (`ember_runtime::processes`), so a server
-/// restart keeps them.
+/// Per-server state of the RPC services: the count of long-lived calls. Everything about a
+/// sandbox (processes' tags and configs, polling watchers) is the runtime's, so a server
+/// restart keeps it.
 #[derive(Debug, Default)]
 pub struct RpcState {
-    watchers: Mutex<HashMap<String, Arc<filesystem::Watcher>>>,
-    streams: Mutex<Vec<(String, std::sync::Weak<Abort>)>>,
     long_calls: Arc<AtomicUsize>,
-}
-
-impl RpcState {
-    /// Stops `sandbox`'s watchers and attached streams' agent calls. For the control plane,
-    /// before it pauses or kills a sandbox (which also forgets its processes' records).
-    pub fn forget_sandbox(&self, sandbox: &str) {
-        let gone: Vec<_> = {
-            let mut w = lock(&self.watchers);
-            let ids: Vec<String> = w
-                .iter()
-                .filter(|(_, w)| w.sandbox == sandbox)
-                .map(|(id, _)| id.clone())
-                .collect();
-            ids.into_iter().filter_map(|id| w.remove(&id)).collect()
-        };
-        for w in gone {
-            w.abort.fire();
-        }
-        let streams: Vec<Arc<Abort>> = {
-            let mut s = lock(&self.streams);
-            let mut out = Vec::new();
-            s.retain(|(sb, a)| {
-                if sb == sandbox {
-                    out.extend(a.upgrade());
-                    false
-                } else {
-                    a.strong_count() > 0
-                }
-            });
-            out
-        };
-        for a in streams {
-            a.fire();
-        }
-    }
-
-    /// Remembers a stream's abort, for [`RpcState::forget_sandbox`].
-    pub(crate) fn add_stream(&self, sandbox: &str, abort: &Arc<Abort>) {
-        let mut s = lock(&self.streams);
-        s.retain(|(_, a)| a.strong_count() > 0);
-        s.push((sandbox.to_string(), Arc::downgrade(abort)));
-    }
-
-    /// Forgets a sandbox that an error says is gone.
-    pub(crate) fn note_error(&self, sandbox: &str, e: &RuntimeError) {
-        let gone = match e {
-            RuntimeError::NotFound(_) => true,
-            RuntimeError::Conflict { state, .. } => matches!(*state, "stopped" | "failed"),
-            _ => false,
-        };
-        if gone {
-            self.forget_sandbox(sandbox);
-        }
-    }
-}
-
-/// How a closure run with a sandbox's agent handle ([`agent`]) fails: with the runtime's
-/// error (noted, so a sandbox that is gone is forgotten) or with a Connect error of its own.
-pub(crate) enum CallError {
-    /// The runtime's (or the guest's) error.
-    Runtime(RuntimeError),
-    /// The closure's own answer.
-    Connect(ConnectError),
-}
-
-impl From<RuntimeError> for CallError {
-    fn from(e: RuntimeError) -> Self {
-        CallError::Runtime(e)
-    }
-}
-
-impl From<ember_runtime::SandboxError> for CallError {
-    fn from(e: ember_runtime::SandboxError) -> Self {
-        CallError::Runtime(e.into())
-    }
-}
-
-impl From<ConnectError> for CallError {
-    fn from(e: ConnectError) -> Self {
-        CallError::Connect(e)
-    }
-}
-
-/// Runs `f` with sandbox `id`'s agent handle (a call slot held) on a blocking thread.
-pub(crate) async fn agent<T: Send + 'static>(
-    st: &E2bState,
-    id: &str,
-    call: &'static str,
-    args: serde_json::Value,
-    f: impl FnOnce(&ember_runtime::Sandbox) -> Result<T, CallError> + Send + 'static,
-) -> Result<T, ConnectError> {
-    let sid = id.to_string();
-    let r = st
-        .app
-        .spawn(move |b| {
-            // The closure's own Connect error travels out beside the runtime's.
-            let mut own = None;
-            let r = crate::backend::with_sandbox(b, &sid, call, args, |sb| match f(sb) {
-                Ok(v) => Ok(Some(v)),
-                Err(e) => match e {
-                    CallError::Runtime(e) => Err(e),
-                    CallError::Connect(e) => {
-                        own = Some(e);
-                        Ok(None)
-                    }
-                },
-            });
-            Ok((r, own))
-        })
-        .await;
-    match r {
-        Ok(Ok((Ok(Some(v)), _))) => Ok(v),
-        Ok(Ok((Ok(None), Some(e)))) => Err(e),
-        Ok(Ok((Ok(None), None))) => Err(ConnectError::internal("the call produced nothing")),
-        Ok(Ok((Err(e), _))) | Ok(Err(e)) => {
-            st.rpc.note_error(id, &e);
-            Err(rt_error(e))
-        }
-        Err(e) => Err(ConnectError::internal(format!("the call failed: {e}"))),
-    }
 }
 
 /// `work`, cut off with `deadline_exceeded` after `deadline` (a unary call's
@@ -192,10 +62,6 @@ pub(crate) async fn within<T>(
         }),
         None => work.await,
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Serves one Connect RPC (`POST /process.Process/<M>` or `/filesystem.Filesystem/<M>`) for
@@ -362,6 +228,7 @@ pub fn rt_error(e: RuntimeError) -> ConnectError {
         RuntimeError::NotFound(id) => {
             return ConnectError::new(Code::Unavailable, format!("The sandbox {id} was not found"))
         }
+        RuntimeError::NoSuchWatcher(m) => return ConnectError::not_found(m.clone()),
         RuntimeError::Conflict { .. } => Code::Unavailable,
         RuntimeError::Sandbox(_) => Code::Unavailable,
         RuntimeError::Invalid(_) => Code::InvalidArgument,
@@ -389,66 +256,20 @@ pub fn rt_error(e: RuntimeError) -> ConnectError {
     ConnectError::new(code, message)
 }
 
-/// Stops a long-lived agent call from another thread: the call's connection is shut down,
-/// so its blocking read ends.
-#[derive(Debug, Default)]
-pub(crate) struct Abort {
-    inner: Mutex<AbortState>,
-}
-
-#[derive(Debug, Default)]
-struct AbortState {
-    conn: Option<UnixStream>,
-    fired: bool,
-}
-
-impl Abort {
-    /// Registers the call's connection (a clone of it). False when already fired: do not
-    /// start the call.
-    pub(crate) fn arm(&self, conn: &UnixStream) -> bool {
-        let mut s = lock(&self.inner);
-        if s.fired {
-            return false;
-        }
-        s.conn = conn.try_clone().ok();
-        true
-    }
-
-    /// Unregisters the connection after the call; true when the abort fired meanwhile (the
-    /// connection was shut down and must not be reused).
-    pub(crate) fn disarm(&self) -> bool {
-        let mut s = lock(&self.inner);
-        s.conn = None;
-        s.fired
-    }
-
-    /// Stops the call (now, or as soon as it is armed).
-    pub(crate) fn fire(&self) {
-        let mut s = lock(&self.inner);
-        s.fired = true;
-        if let Some(c) = s.conn.take() {
-            let _ = c.shutdown(std::net::Shutdown::Both);
-        }
-    }
-
-    /// Whether it fired.
-    pub(crate) fn fired(&self) -> bool {
-        lock(&self.inner).fired
+/// Sends one call to the runtime on the blocking pool; its error becomes the Connect error
+/// E2B's clients expect.
+pub(crate) async fn send<T: Send + 'static>(
+    st: &E2bState,
+    f: impl FnOnce(&dyn crate::Backend) -> Result<T, RuntimeError> + Send + 'static,
+) -> Result<T, ConnectError> {
+    match st.app.spawn(f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(rt_error(e)),
+        Err(e) => Err(ConnectError::internal(format!("the call failed: {e}"))),
     }
 }
 
-/// Fires an [`Abort`] when dropped (with a response body: the client went away or the
-/// stream ended).
-#[derive(Debug)]
-pub(crate) struct AbortOnDrop(pub(crate) Arc<Abort>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.fire();
-    }
-}
-
-/// Runs a long-lived blocking agent call on a thread of its own (at most
+/// Runs a long-lived blocking call on a thread of its own (at most
 /// [`MAX_LONG_CALLS`] at once).
 pub(crate) fn spawn_long(
     st: &RpcState,
@@ -552,28 +373,5 @@ mod tests {
         let e = rt_error(RuntimeError::NotFound("abc".into()));
         assert_eq!(e.code, Code::Unavailable);
         assert!(e.message.contains("was not found"));
-    }
-
-    #[test]
-    fn abort_before_and_after_arming() {
-        let (a, _b) = UnixStream::pair().unwrap();
-        let ab = Abort::default();
-        assert!(ab.arm(&a));
-        assert!(!ab.disarm());
-        ab.fire();
-        assert!(!ab.arm(&a));
-        assert!(ab.fired());
-        let ab = Abort::default();
-        let (a, b) = UnixStream::pair().unwrap();
-        assert!(ab.arm(&a));
-        ab.fire();
-        assert!(ab.disarm());
-        use std::io::Read;
-        let mut buf = [0u8; 1];
-        assert_eq!(
-            (&b).read(&mut buf).unwrap(),
-            0,
-            "the peer sees the shutdown"
-        );
     }
 }
