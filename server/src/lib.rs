@@ -4,6 +4,8 @@
 //! OpenAPI document (`/openapi.json`). See `docs/api.md`.
 //!
 //! - `routes`: one handler per route; each makes one runtime call on a blocking thread.
+//!   A route is declared once, by its handler's `#[utoipa::path]`; `table` (below) lists the
+//!   handlers, and the router and the OpenAPI document's paths are both built from that list.
 //! - `stream`: blocking calls → response bodies (NDJSON events, file bytes) and request
 //!   bodies → blocking readers, through bounded channels; a client that goes away stops the
 //!   guest work.
@@ -34,17 +36,18 @@ pub mod types;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use axum::extract::{MatchedPath, Request, State};
-use axum::handler::Handler;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{on, MethodFilter};
 use axum::Router;
 use tracing::{Instrument, Span};
+use utoipa::openapi::path::Paths;
+use utoipa_axum::router::{OpenApiRouter, UtoipaMethodRouter};
+use utoipa_axum::routes;
 
 pub use backend::Backend;
 pub use error::ApiError;
@@ -203,108 +206,150 @@ impl AppState {
     }
 }
 
-/// A router that remembers its routes (method, path), for the OpenAPI check.
+/// The native routes being assembled: the router with its OpenAPI document, and each route
+/// as axum matches it (method, path), which [`route_list`] hands to the tests that send a
+/// request to every route.
 struct Table {
-    router: Router<AppState>,
-    routes: Vec<(&'static str, &'static str)>,
+    api: OpenApiRouter<AppState>,
+    routes: Vec<(&'static str, String)>,
 }
 
 impl Table {
-    fn add<H, T>(mut self, method: &'static str, path: &'static str, handler: H) -> Self
-    where
-        H: Handler<T, AppState>,
-        T: 'static,
-    {
-        let filter = match method {
-            "GET" => MethodFilter::GET,
-            "POST" => MethodFilter::POST,
-            "PUT" => MethodFilter::PUT,
-            "DELETE" => MethodFilter::DELETE,
-            other => panic!("no method filter for {other}"),
-        };
-        self.router = self.router.route(path, on(filter, handler));
-        self.routes.push((method, path));
+    /// Adds the handlers of one path (one `routes!`): each is routed at the path and methods
+    /// of its `#[utoipa::path]` and documented as that attribute says.
+    fn add(mut self, routes: UtoipaMethodRouter<AppState>) -> Self {
+        let path = Self::only_path(&routes.1);
+        self.record(&path, &routes.1);
+        self.api = self.api.routes(routes);
         self
+    }
+
+    /// Like [`Table::add`], but the path's last segment, the parameter `{param}`, is routed
+    /// as axum's catch-all `{*param}` (the rest of the path, slashes included). OpenAPI has no
+    /// catch-all parameter, so the document keeps the attribute's `{param}`; `routes!` would
+    /// route that literally, one segment only, hence the route is added by hand here, from
+    /// the same attribute.
+    fn add_catch_all(mut self, param: &str, routes: UtoipaMethodRouter<AppState>) -> Self {
+        let (schemas, paths, method_router) = routes;
+        let path = Self::only_path(&paths);
+        let documented = format!("/{{{param}}}");
+        let Some(prefix) = path.strip_suffix(&documented) else {
+            panic!("{path} does not end with {documented}");
+        };
+        let routed = format!("{prefix}/{{*{param}}}");
+        self.record(&routed, &paths);
+        self.api = self.api.route(&routed, method_router);
+        let doc = self.api.get_openapi_mut();
+        doc.paths.merge(paths);
+        doc.components
+            .get_or_insert_with(Default::default)
+            .schemas
+            .extend(schemas);
+        self
+    }
+
+    /// The one path of a `routes!`: `OpenApiRouter::routes` would route every handler of
+    /// the list on every path of it, so a list may only group the methods of one path.
+    fn only_path(paths: &Paths) -> String {
+        let mut keys = paths.paths.keys();
+        match (keys.next(), keys.next()) {
+            (Some(path), None) => path.clone(),
+            _ => panic!(
+                "one routes!(..) per path, got {:?}",
+                paths.paths.keys().collect::<Vec<_>>()
+            ),
+        }
+    }
+
+    /// Remembers the methods `paths` documents, as routed at `path`.
+    fn record(&mut self, path: &str, paths: &Paths) {
+        for item in paths.paths.values() {
+            let methods = [
+                ("GET", &item.get),
+                ("PUT", &item.put),
+                ("POST", &item.post),
+                ("DELETE", &item.delete),
+                ("OPTIONS", &item.options),
+                ("HEAD", &item.head),
+                ("PATCH", &item.patch),
+                ("TRACE", &item.trace),
+            ];
+            for (method, operation) in methods {
+                if operation.is_some() {
+                    self.routes.push((method, path.to_string()));
+                }
+            }
+        }
     }
 }
 
-fn table() -> Table {
+/// The native API's routes, each declared once: a handler's `#[utoipa::path]` gives its
+/// path and method to both the axum router and the OpenAPI document (`routes!`), so the two
+/// cannot drift apart. One `routes!` per path, grouping that path's methods. The paths are
+/// added to `doc` ([`openapi::ApiDoc`] for the served document, an empty one when only the
+/// router or the list is wanted). The proxy, browser and E2B routes are added in [`router`],
+/// outside the document.
+pub(crate) fn table(doc: utoipa::openapi::OpenApi) -> Table {
     use routes as r;
     let t = Table {
-        router: Router::new(),
+        api: OpenApiRouter::with_openapi(doc),
         routes: Vec::new(),
     };
-    t.add("GET", "/healthz", r::healthz)
-        .add("GET", "/openapi.json", r::openapi)
-        .add("GET", "/metrics", r::metrics)
-        .add("GET", "/v1/templates", r::list_templates)
-        .add("POST", "/v1/templates/{name}/build", r::build_template)
-        .add("POST", "/v1/sandboxes", r::create)
-        .add("GET", "/v1/sandboxes", r::list_sandboxes)
-        .add("GET", "/v1/sandboxes/{id}", r::get_sandbox)
-        .add("DELETE", "/v1/sandboxes/{id}", r::kill)
-        .add("POST", "/v1/sandboxes/{id}/pause", r::pause)
-        .add("POST", "/v1/sandboxes/{id}/resume", r::resume)
-        .add("POST", "/v1/sandboxes/{id}/timeout", r::set_timeout)
-        .add("GET", "/v1/sandboxes/{id}/history", r::history)
-        .add("POST", "/v1/sandboxes/{id}/fork", r::fork)
-        .add("POST", "/v1/sandboxes/{id}/snapshot", r::snapshot)
-        .add("GET", "/v1/snapshots", r::list_snapshots)
-        .add("DELETE", "/v1/snapshots/{name}", r::delete_snapshot)
-        .add("GET", "/v1/sandboxes/{id}/contexts", r::list_contexts)
-        .add("POST", "/v1/sandboxes/{id}/contexts", r::create_context)
-        .add(
-            "POST",
-            "/v1/sandboxes/{id}/contexts/{ctx}/restart",
-            r::restart_context,
-        )
-        .add(
-            "DELETE",
-            "/v1/sandboxes/{id}/contexts/{ctx}",
-            r::remove_context,
-        )
-        .add(
-            "POST",
-            "/v1/sandboxes/{id}/contexts/{ctx}/interrupt",
-            r::interrupt,
-        )
-        .add("POST", "/v1/sandboxes/{id}/code", r::run_code)
-        .add("POST", "/v1/sandboxes/{id}/exec", r::exec)
-        .add("PUT", "/v1/sandboxes/{id}/files", r::upload)
-        .add("GET", "/v1/sandboxes/{id}/files", r::download)
-        .add("DELETE", "/v1/sandboxes/{id}/files", r::remove)
-        .add("GET", "/v1/sandboxes/{id}/files/list", r::list_files)
-        .add("GET", "/v1/sandboxes/{id}/files/stat", r::stat)
-        .add("POST", "/v1/sandboxes/{id}/files/mkdir", r::mkdir)
-        .add("POST", "/v1/sandboxes/{id}/files/rename", r::rename)
-        .add("GET", "/v1/sandboxes/{id}/artifacts", r::list_artifacts)
-        .add(
-            "POST",
-            "/v1/sandboxes/{id}/artifacts/collect",
-            r::collect_artifacts,
-        )
-        .add(
-            "GET",
-            "/v1/sandboxes/{id}/artifacts/{*path}",
-            r::get_artifact,
-        )
-        .add("GET", "/v1/sandboxes/{id}/audit", r::sandbox_audit)
-        .add("GET", "/v1/sandboxes/{id}/network", ports::get_network)
-        .add("PUT", "/v1/sandboxes/{id}/network", ports::set_network)
-        .add("POST", "/v1/sandboxes/{id}/ports", ports::expose)
-        .add("DELETE", "/v1/sandboxes/{id}/ports/{port}", ports::unexpose)
-        .add("GET", "/v1/audit", r::audit)
+    t.add(routes!(r::healthz))
+        .add(routes!(r::openapi))
+        .add(routes!(r::metrics))
+        .add(routes!(r::list_templates))
+        .add(routes!(r::build_template))
+        .add(routes!(r::create, r::list_sandboxes))
+        .add(routes!(r::get_sandbox, r::kill))
+        .add(routes!(r::pause))
+        .add(routes!(r::resume))
+        .add(routes!(r::set_timeout))
+        .add(routes!(r::history))
+        .add(routes!(r::fork))
+        .add(routes!(r::snapshot))
+        .add(routes!(r::list_snapshots))
+        .add(routes!(r::delete_snapshot))
+        .add(routes!(r::list_contexts, r::create_context))
+        .add(routes!(r::restart_context))
+        .add(routes!(r::remove_context))
+        .add(routes!(r::interrupt))
+        .add(routes!(r::run_code))
+        .add(routes!(r::exec))
+        .add(routes!(r::upload, r::download, r::remove))
+        .add(routes!(r::list_files))
+        .add(routes!(r::stat))
+        .add(routes!(r::mkdir))
+        .add(routes!(r::rename))
+        .add(routes!(r::list_artifacts))
+        .add(routes!(r::collect_artifacts))
+        // Any file under the outputs directory: axum's catch-all `{*path}`, added by hand
+        // from the attribute (`Table::add_catch_all`); the document keeps `{path}`.
+        .add_catch_all("path", routes!(r::get_artifact))
+        .add(routes!(r::sandbox_audit))
+        .add(routes!(ports::get_network, ports::set_network))
+        .add(routes!(ports::expose))
+        .add(routes!(ports::unexpose))
+        .add(routes!(r::audit))
 }
 
-/// The routes as (method, path), in axum's path syntax.
+/// The routes as (method, path), in axum's path syntax. The paths come out of the
+/// attributes at run time, so the list is built once and kept for the `'static` strings.
 pub fn route_list() -> Vec<(&'static str, &'static str)> {
-    table().routes
+    static ROUTES: OnceLock<Vec<(&'static str, String)>> = OnceLock::new();
+    ROUTES
+        .get_or_init(|| table(Default::default()).routes)
+        .iter()
+        .map(|(method, path)| (*method, path.as_str()))
+        .collect()
 }
 
 /// The whole application: routes, auth, request ids, logs, counters, JSON errors, and the
 /// E2B surface in front of the native routes.
 pub fn router(state: AppState) -> Router {
-    browser::routes(table().router)
+    // The document is rendered once per state (`AppState::with_e2b`), not from here.
+    let (native, _) = table(Default::default()).api.split_for_parts();
+    browser::routes(native)
         // The reverse proxy to exposed guest ports: any method, authorized by `ports`.
         .route(
             "/v1/sandboxes/{id}/ports/{port}/",

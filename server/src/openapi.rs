@@ -1,12 +1,13 @@
 //! The OpenAPI 3 document, generated from the handlers' `#[utoipa::path]` annotations and
-//! the request/response types' schemas. Every route of [`super::router`] is in it (a test
-//! checks both ways).
+//! the request/response types' schemas. Its paths are not listed here: they come from the
+//! route table (`table` in lib.rs) that also builds the router, so every native route is in
+//! it and nothing else (a test checks both ways). [`ApiDoc`] holds the rest: the info, the
+//! schemas, the bearer scheme, the tags.
 
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::ports::{self, ExposeBody, NetworkBody};
-use super::routes;
+use super::ports::{ExposeBody, NetworkBody};
 use super::types::*;
 use ember_runtime::{
     ArtifactInfo, AuditRecord, CreateRequest, ExposedPort, ForkRequest, NetMode, NetworkPolicy,
@@ -14,7 +15,7 @@ use ember_runtime::{
     Transition,
 };
 
-/// The document.
+/// The document without its paths, which [`document`] adds.
 #[derive(Debug, OpenApi)]
 #[openapi(
     info(
@@ -23,48 +24,6 @@ use ember_runtime::{
                        `ember serve`. Authenticate with `Authorization: Bearer <token>` (the \
                        token is in `$EMBER_HOME/token`). Errors are \
                        `{\"error\":{\"code\",\"message\"}}`. See docs/api.md."
-    ),
-    paths(
-        routes::healthz,
-        routes::openapi,
-        routes::metrics,
-        routes::list_templates,
-        routes::build_template,
-        routes::create,
-        routes::list_sandboxes,
-        routes::get_sandbox,
-        routes::kill,
-        routes::pause,
-        routes::resume,
-        routes::set_timeout,
-        routes::history,
-        routes::fork,
-        routes::snapshot,
-        routes::list_snapshots,
-        routes::delete_snapshot,
-        routes::list_contexts,
-        routes::create_context,
-        routes::restart_context,
-        routes::remove_context,
-        routes::interrupt,
-        routes::run_code,
-        routes::exec,
-        routes::upload,
-        routes::download,
-        routes::list_files,
-        routes::stat,
-        routes::mkdir,
-        routes::remove,
-        routes::rename,
-        routes::list_artifacts,
-        routes::collect_artifacts,
-        routes::get_artifact,
-        routes::sandbox_audit,
-        routes::audit,
-        ports::get_network,
-        ports::set_network,
-        ports::expose,
-        ports::unexpose,
     ),
     components(schemas(
         ErrorBody, ErrorDetail, OkBody, StreamLine, TemplateSummary, VmShapeInfo, BuildBody,
@@ -111,9 +70,14 @@ impl Modify for BearerAuth {
     }
 }
 
+/// The document: [`ApiDoc`] with the native routes' paths.
+pub fn document() -> utoipa::openapi::OpenApi {
+    super::table(ApiDoc::openapi()).api.into_openapi()
+}
+
 /// The document as JSON.
 pub fn json() -> String {
-    ApiDoc::openapi()
+    document()
         .to_pretty_json()
         .unwrap_or_else(|e| format!("{{\"error\":\"cannot render the OpenAPI document: {e}\"}}"))
 }
