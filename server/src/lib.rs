@@ -362,7 +362,7 @@ pub fn router(state: AppState) -> Router {
         .fallback(error::no_route)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(middleware::from_fn_with_state(
-            state.clone(),
+            e2b::Surface::new(state.clone()),
             e2b::route::dispatch,
         ))
         .layer(middleware::from_fn_with_state(state.clone(), observe))

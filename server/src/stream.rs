@@ -102,13 +102,31 @@ where
         let r = call(&mut emit).map(|v| Some(line(&v)));
         let _ = tx.blocking_send(Msg::Done(r));
     });
-    respond(rx, "application/x-ndjson", None, true, abandon).await
+    respond(rx, "application/x-ndjson", None, true, abandon, native).await
+}
+
+/// The native API's error response.
+fn native(e: ApiError) -> Response {
+    e.into_response()
 }
 
 /// Runs `call` on a blocking thread with a writer whose bytes become the response body
 /// (`application/octet-stream`). A failure after the first bytes aborts the body, so the
 /// client sees a truncated transfer, never a short file that looks complete.
 pub async fn raw<F>(call: F, content_length: Option<u64>) -> Response
+where
+    F: FnOnce(&mut dyn Write) -> Result<(), ApiError> + Send + 'static,
+{
+    raw_with(call, content_length, native).await
+}
+
+/// [`raw`], with a failure before the first byte answered by `render` (a surface with an
+/// error shape of its own: E2B's).
+pub async fn raw_with<F>(
+    call: F,
+    content_length: Option<u64>,
+    render: fn(ApiError) -> Response,
+) -> Response
 where
     F: FnOnce(&mut dyn Write) -> Result<(), ApiError> + Send + 'static,
 {
@@ -132,6 +150,7 @@ where
         content_length,
         false,
         Abandon(None),
+        render,
     )
     .await
 }
@@ -142,16 +161,17 @@ async fn respond(
     content_length: Option<u64>,
     ndjson: bool,
     mut abandon: Abandon,
+    render: fn(ApiError) -> Response,
 ) -> Response {
     let first = match tokio::time::timeout(FIRST_WAIT, rx.recv()).await {
         Ok(Some(Msg::Done(Err(e)))) => {
             abandon.disarm();
-            return e.into_response();
+            return render(e);
         }
         Ok(Some(m)) => Some(m),
         Ok(None) => {
             abandon.disarm();
-            return ApiError::internal("the call ended without a result").into_response();
+            return render(ApiError::internal("the call ended without a result"));
         }
         Err(_) => None,
     };

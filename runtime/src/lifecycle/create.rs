@@ -67,13 +67,37 @@ impl Runtime {
             }
             (t, None) => {
                 let name = t.as_deref().unwrap_or("default");
-                let t = Template::open(name).map_err(|e| match e {
-                    crate::TemplateError::NotBuilt { .. } => RuntimeError::NoSuchImage(format!(
-                        "template {name:?} is not built (build it with `ember template build \
-                         {name}`)"
-                    )),
-                    other => other.into(),
-                })?;
+                let t = match Template::open(name) {
+                    Ok(t) => t,
+                    Err(
+                        e @ (crate::TemplateError::NotBuilt { .. }
+                        | crate::TemplateError::BadName(_)),
+                    ) => {
+                        // A named template that is none may be a named snapshot: templates
+                        // and snapshots share one name space for callers that do not tell
+                        // them apart (E2B's API, where snapshot ids go where template ids go).
+                        if t.is_some()
+                            && check_name(name).is_ok()
+                            && self.store().snapshot(name)?.is_some()
+                        {
+                            return self.source(&CreateRequest {
+                                template: None,
+                                snapshot: Some(name.to_string()),
+                                ..Default::default()
+                            });
+                        }
+                        return Err(match e {
+                            crate::TemplateError::NotBuilt { .. } => {
+                                RuntimeError::NoSuchImage(format!(
+                                    "template {name:?} is not built (build it with `ember \
+                                     template build {name}`)"
+                                ))
+                            }
+                            other => other.into(),
+                        });
+                    }
+                    Err(e) => return Err(e.into()),
+                };
                 Ok(Source {
                     dir: t.snapshot_dir(),
                     template: Some(t.info.name.clone()),

@@ -9,10 +9,9 @@
 
 use ember_runtime::call::{self, Io};
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::OnceLock;
 use std::time::{Duration, SystemTime};
 
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
@@ -22,7 +21,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-use super::{reshape, E2bError, E2bJson, E2bState, ENVD_VERSION};
+use super::{E2bError, E2bJson, E2bPath, E2bQuery, E2bState, ENVD_VERSION};
 use ember_runtime::{
     CreateRequest, ForkRequest, ListFilter, OnTimeout, RuntimeError, SandboxInfo, SnapshotInfo,
     SnapshotRequest, State as SandboxState,
@@ -37,19 +36,18 @@ const MAX_LIMIT: usize = 1000;
 
 type Answer<T> = Result<T, E2bError>;
 
-/// Serves one control-plane request: `X-API-KEY` must be the server's token.
-pub async fn handle(st: E2bState, req: Request) -> Response {
-    if !api_key_ok(&st, req.headers()) {
+/// Serves one control-plane request with `router` (the surface's, built once): `X-API-KEY`
+/// must be the server's token.
+pub async fn handle(st: &E2bState, router: &Router, req: Request) -> Response {
+    if !api_key_ok(st, req.headers()) {
         return E2bError::unauthorized(
             "missing or wrong X-API-KEY (set E2B_API_KEY to the server's token, from \
              $EMBER_HOME/token)",
         )
         .into_response();
     }
-    static ROUTER: OnceLock<Router<E2bState>> = OnceLock::new();
-    let router = ROUTER.get_or_init(routes).clone().with_state(st);
-    match router.oneshot(req).await {
-        Ok(resp) => reshape(resp).await,
+    match router.clone().oneshot(req).await {
+        Ok(resp) => resp,
         Err(never) => match never {},
     }
 }
@@ -67,8 +65,8 @@ fn api_key_ok(st: &E2bState, headers: &HeaderMap) -> bool {
     key.is_some_and(|k| st.is_api_key(k))
 }
 
-fn routes() -> Router<E2bState> {
-    Router::new()
+pub(super) fn routes() -> Router<E2bState> {
+    let routes = Router::new()
         .route("/v2/sandboxes", post(create).get(list_v2))
         .route("/sandboxes", post(create).get(list_v1))
         .route("/v2/sandboxes/{id}/connect", post(connect))
@@ -82,14 +80,8 @@ fn routes() -> Router<E2bState> {
         .route("/sandboxes/{id}/fork", post(fork))
         .route("/sandboxes/{id}/snapshots", post(snapshot))
         .route("/snapshots", get(list_snapshots))
-        .route("/templates/{id}", delete(delete_snapshot))
-        .fallback(|req: Request| async move {
-            E2bError::not_found(format!(
-                "no route {} {} in ember's E2B API",
-                req.method(),
-                req.uri().path()
-            ))
-        })
+        .route("/templates/{id}", delete(delete_snapshot));
+    super::with_fallbacks(routes, "ember's E2B API")
 }
 
 // ----- shapes -----
@@ -357,34 +349,9 @@ async fn create(
         metadata: body.metadata.unwrap_or_default(),
         ..Default::default()
     };
-    let snapshot = requested.clone();
-    let info = call(&st, move |b| {
-        match b.call(call::Create { req: req.clone() }, Io::none()) {
-            // Not a template: a snapshot of that name (snapshot ids go where template ids go).
-            Err(e) if matches!(e.code(), "template_not_found" | "invalid_request") => {
-                if !b
-                    .call(call::ListSnapshots {}, Io::none())?
-                    .iter()
-                    .any(|s| s.name == snapshot)
-                {
-                    return Err(e);
-                }
-                let from_snapshot = CreateRequest {
-                    template: None,
-                    snapshot: Some(snapshot),
-                    ..req
-                };
-                b.call(
-                    call::Create {
-                        req: from_snapshot.clone(),
-                    },
-                    Io::none(),
-                )
-            }
-            r => r,
-        }
-    })
-    .await?;
+    // (A name that is no template but a named snapshot restores the snapshot: the runtime
+    // resolves it, as E2B puts snapshot ids where template ids go.)
+    let info = call(&st, move |b| b.call(call::Create { req }, Io::none())).await?;
     Ok(created(sandbox_json(&st, &info, Some(&requested))))
 }
 
@@ -398,7 +365,7 @@ struct ConnectBody {
 
 async fn connect(
     State(st): State<E2bState>,
-    Path(id): Path<String>,
+    E2bPath(id): E2bPath<String>,
     E2bJson(body): E2bJson<ConnectBody>,
 ) -> Answer<Response> {
     let info = live(&st, &id).await?;
@@ -446,7 +413,7 @@ async fn connect(
 
 async fn resume(
     State(st): State<E2bState>,
-    Path(id): Path<String>,
+    E2bPath(id): E2bPath<String>,
     E2bJson(body): E2bJson<ConnectBody>,
 ) -> Answer<Response> {
     let info = live(&st, &id).await?;
@@ -474,12 +441,12 @@ async fn resume(
     Ok(created(sandbox_json(&st, &info, None)))
 }
 
-async fn detail(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<Json<Value>> {
+async fn detail(State(st): State<E2bState>, E2bPath(id): E2bPath<String>) -> Answer<Json<Value>> {
     let info = live(&st, &id).await?;
     Ok(Json(detail_json(&st, &info)))
 }
 
-async fn kill(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<StatusCode> {
+async fn kill(State(st): State<E2bState>, E2bPath(id): E2bPath<String>) -> Answer<StatusCode> {
     live(&st, &id).await?;
     call(&st, move |b| b.call(call::Kill { id }, Io::none())).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -492,7 +459,7 @@ struct TimeoutBody {
 
 async fn set_timeout(
     State(st): State<E2bState>,
-    Path(id): Path<String>,
+    E2bPath(id): E2bPath<String>,
     E2bJson(body): E2bJson<TimeoutBody>,
 ) -> Answer<StatusCode> {
     live(&st, &id).await?;
@@ -518,7 +485,7 @@ struct RefreshBody {
 
 async fn refresh(
     State(st): State<E2bState>,
-    Path(id): Path<String>,
+    E2bPath(id): E2bPath<String>,
     E2bJson(body): E2bJson<RefreshBody>,
 ) -> Answer<StatusCode> {
     let info = live(&st, &id).await?;
@@ -528,7 +495,7 @@ async fn refresh(
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn pause(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<StatusCode> {
+async fn pause(State(st): State<E2bState>, E2bPath(id): E2bPath<String>) -> Answer<StatusCode> {
     // The body (`memory`, `requireHealthyGuest`) is accepted and not needed: a pause always
     // keeps memory (a filesystem-only pause is a superset's subset), and the guest is not
     // asked anything.
@@ -548,7 +515,7 @@ async fn pause(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<Sta
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn metrics(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<Json<Value>> {
+async fn metrics(State(st): State<E2bState>, E2bPath(id): E2bPath<String>) -> Answer<Json<Value>> {
     let info = live(&st, &id).await?;
     if info.state != SandboxState::Running {
         return Ok(Json(json!([])));
@@ -587,7 +554,7 @@ struct ForkBody {
 
 async fn fork(
     State(st): State<E2bState>,
-    Path(id): Path<String>,
+    E2bPath(id): E2bPath<String>,
     E2bJson(body): E2bJson<ForkBody>,
 ) -> Answer<Response> {
     live(&st, &id).await?;
@@ -626,7 +593,7 @@ fn snapshot_json(s: &SnapshotInfo) -> Value {
 
 async fn snapshot(
     State(st): State<E2bState>,
-    Path(id): Path<String>,
+    E2bPath(id): E2bPath<String>,
     E2bJson(body): E2bJson<SnapshotBody>,
 ) -> Answer<Response> {
     if body.memory == Some(false) {
@@ -650,7 +617,10 @@ async fn snapshot(
     Ok(created(snapshot_json(&s)))
 }
 
-async fn delete_snapshot(State(st): State<E2bState>, Path(id): Path<String>) -> Answer<StatusCode> {
+async fn delete_snapshot(
+    State(st): State<E2bState>,
+    E2bPath(id): E2bPath<String>,
+) -> Answer<StatusCode> {
     call(&st, move |b| {
         b.call(
             call::DeleteSnapshot {
@@ -833,21 +803,21 @@ async fn listed(
 
 async fn list_v2(
     State(st): State<E2bState>,
-    Query(q): Query<BTreeMap<String, String>>,
+    E2bQuery(q): E2bQuery<BTreeMap<String, String>>,
 ) -> Answer<Response> {
     listed(&st, &q, &["running", "paused"]).await
 }
 
 async fn list_v1(
     State(st): State<E2bState>,
-    Query(q): Query<BTreeMap<String, String>>,
+    E2bQuery(q): E2bQuery<BTreeMap<String, String>>,
 ) -> Answer<Response> {
     listed(&st, &q, &["running"]).await
 }
 
 async fn list_snapshots(
     State(st): State<E2bState>,
-    Query(q): Query<BTreeMap<String, String>>,
+    E2bQuery(q): E2bQuery<BTreeMap<String, String>>,
 ) -> Answer<Response> {
     let limit = limit_of(q.get("limit"))?;
     let mut all = call(&st, |b| b.call(call::ListSnapshots {}, Io::none())).await?;

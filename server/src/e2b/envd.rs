@@ -15,9 +15,8 @@
 use ember_runtime::call::{self, Io};
 use std::collections::BTreeMap;
 use std::io::Read;
-use std::sync::OnceLock;
 
-use axum::extract::{DefaultBodyLimit, Extension, Multipart, Query, Request, State};
+use axum::extract::{DefaultBodyLimit, Extension, Multipart, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::Response;
 use axum::routing::get;
@@ -32,7 +31,7 @@ use tokio::sync::mpsc;
 use tower::ServiceExt;
 
 use super::target::{gone_or, Target};
-use super::{reshape, rpc, E2bError, E2bState};
+use super::{rpc, E2bError, E2bQuery, E2bState};
 use crate::error::ApiError;
 use crate::stream::{self, pump_body, ChannelReader};
 use ember_runtime::RuntimeError;
@@ -40,32 +39,25 @@ use ember_runtime::RuntimeError;
 /// The default user of envd ≥ 0.4.0.
 pub const DEFAULT_USER: &str = "user";
 
-/// Serves one envd request (routed and authenticated by `route`).
-pub async fn handle(st: E2bState, id: String, req: Request) -> Response {
+/// Serves one envd request (routed and authenticated by `route`) with `router` (the
+/// surface's, built once).
+pub async fn handle(st: E2bState, router: &Router, id: String, req: Request) -> Response {
     let path = req.uri().path();
     if path.starts_with("/process.Process/") || path.starts_with("/filesystem.Filesystem/") {
         return rpc::handle(st, id, req).await;
     }
-    static ROUTER: OnceLock<Router<E2bState>> = OnceLock::new();
-    let router = ROUTER.get_or_init(routes).clone().with_state(st);
-    match router.oneshot(req).await {
-        Ok(resp) => reshape(resp).await,
+    match router.clone().oneshot(req).await {
+        Ok(resp) => resp,
         Err(never) => match never {},
     }
 }
 
-fn routes() -> Router<E2bState> {
-    Router::new()
+pub(super) fn routes() -> Router<E2bState> {
+    let routes = Router::new()
         .route("/health", get(|| async { StatusCode::NO_CONTENT }))
         .route("/envs", get(envs))
-        .route("/files", get(download).post(upload))
-        .fallback(|req: Request| async move {
-            E2bError::not_found(format!(
-                "no route {} {} in envd",
-                req.method(),
-                req.uri().path()
-            ))
-        })
+        .route("/files", get(download).post(upload));
+    super::with_fallbacks(routes, "envd")
         // Uploads have their own limit (the server's), enforced while streaming.
         .layer(DefaultBodyLimit::disable())
 }
@@ -159,14 +151,14 @@ fn file_error(id: &str, path: &str, e: RuntimeError) -> E2bError {
 async fn download(
     State(st): State<E2bState>,
     Extension(t): Extension<Target>,
-    Query(q): Query<FileQuery>,
+    E2bQuery(q): E2bQuery<FileQuery>,
     headers: HeaderMap,
 ) -> Result<Response, E2bError> {
     let user = user_of(q.username.as_deref(), &headers)?;
     let path = resolve(&user, q.path.as_deref().unwrap_or(""))?;
     let b = st.backend();
     let id = t.id;
-    Ok(stream::raw(
+    Ok(stream::raw_with(
         move |w| {
             b.call(
                 call::ReadFile {
@@ -182,6 +174,7 @@ async fn download(
             Ok(())
         },
         None,
+        |e| axum::response::IntoResponse::into_response(E2bError::from(e)),
     )
     .await)
 }
@@ -312,7 +305,7 @@ fn too_large(limit: u64) -> E2bError {
 async fn upload(
     State(st): State<E2bState>,
     Extension(t): Extension<Target>,
-    Query(q): Query<FileQuery>,
+    E2bQuery(q): E2bQuery<FileQuery>,
     req: Request,
 ) -> Result<Json<Vec<Value>>, E2bError> {
     let user = user_of(q.username.as_deref(), req.headers())?;

@@ -12,11 +12,10 @@
 
 use ember_runtime::call::{self, Io};
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Extension, Path, Request, State};
+use axum::extract::{Extension, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
@@ -44,30 +43,23 @@ const FIRST_WAIT: Duration = Duration::from_secs(2);
 /// The default working directory of new contexts (the user's home, as in E2B).
 pub const DEFAULT_CWD: &str = "/home/user";
 
-/// Serves one code-interpreter request (routed and authenticated by `route`).
-pub async fn handle(st: E2bState, req: Request) -> Response {
-    static ROUTER: OnceLock<Router<E2bState>> = OnceLock::new();
-    let router = ROUTER.get_or_init(routes).clone().with_state(st);
-    match router.oneshot(req).await {
+/// Serves one code-interpreter request (routed and authenticated by `route`) with `router`
+/// (the surface's, built once).
+pub async fn handle(router: &Router, req: Request) -> Response {
+    match router.clone().oneshot(req).await {
         Ok(resp) => resp,
         Err(never) => match never {},
     }
 }
 
-fn routes() -> Router<E2bState> {
-    Router::new()
+pub(super) fn routes() -> Router<E2bState> {
+    let routes = Router::new()
         .route("/execute", post(execute))
         .route("/contexts", post(create_context).get(list_contexts))
         .route("/contexts/{ctx}/restart", post(restart_context))
         .route("/contexts/{ctx}", delete(remove_context))
-        .route("/health", get(|| async { StatusCode::OK }))
-        .fallback(|req: Request| async move {
-            E2bError::not_found(format!(
-                "no route {} {} in the code interpreter",
-                req.method(),
-                req.uri().path()
-            ))
-        })
+        .route("/health", get(|| async { StatusCode::OK }));
+    super::with_fallbacks(routes, "the code interpreter")
 }
 
 /// The agent's language for an E2B language name (`None`: default python).
@@ -559,7 +551,7 @@ async fn list_contexts(State(st): State<E2bState>, Extension(t): Extension<Targe
 async fn restart_context(
     State(st): State<E2bState>,
     Extension(t): Extension<Target>,
-    Path(ctx): Path<String>,
+    super::E2bPath(ctx): super::E2bPath<String>,
 ) -> Response {
     let (id, c) = (t.id.clone(), ctx.clone());
     let job = st.app.spawn(move |b| {
@@ -581,7 +573,7 @@ async fn restart_context(
 async fn remove_context(
     State(st): State<E2bState>,
     Extension(t): Extension<Target>,
-    Path(ctx): Path<String>,
+    super::E2bPath(ctx): super::E2bPath<String>,
 ) -> Response {
     let (id, c) = (t.id.clone(), ctx.clone());
     let job = st.app.spawn(move |b| {

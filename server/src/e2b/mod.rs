@@ -2,8 +2,13 @@
 //! `e2b-code-interpreter`; npm `e2b`, `@e2b/code-interpreter`) work unchanged against it.
 //! The wire protocol is summarised in `docs/e2b.md`; the SDK source is the contract.
 //!
-//! Everything is translated in the host process to [`Backend`] calls (the runtime) and the
-//! guest agent's protocol; nothing of E2B's own server code runs in the guest.
+//! Everything is translated in the host process into the runtime's calls
+//! (`ember_runtime::call`, sent through [`Backend`]) and nothing else: the adapter keeps no
+//! state of its own (processes' tags, watchers and contexts are the runtime's), never reads
+//! the store and never holds a sandbox handle; nothing of E2B's own server code runs in the
+//! guest. Its three routers (control plane, envd, code interpreter) are built once with the
+//! server's router ([`Surface`]) and answer every error in E2B's shape themselves
+//! ([`E2bJson`], [`E2bPath`], [`E2bQuery`], [`with_fallbacks`]).
 //!
 //! - `control`: the REST control plane (`/v2/sandboxes`, `/sandboxes/…`, `/snapshots`),
 //!   authenticated by `X-API-KEY` (ember's token), errors `{"code": int, "message": str}`.
@@ -18,9 +23,11 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use axum::Router;
 use serde::de::DeserializeOwned;
 
 use super::error::{ApiError, ApiJson};
@@ -83,7 +90,7 @@ pub struct E2bState {
     pub app: AppState,
     /// Settings.
     pub opts: Arc<E2bOptions>,
-    /// The RPC services' state (process tags and configs, watchers).
+    /// The RPC services' state (the count of long calls' threads).
     pub rpc: Arc<rpc::RpcState>,
 }
 
@@ -265,40 +272,90 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for E2bJson<T> {
     }
 }
 
-/// Rewrites an error response in the native API's shape (`{"error":{"code","message"}}`,
-/// from the shared streaming helpers) into E2B's `{"code","message"}`; other responses are
-/// returned unchanged.
-pub async fn reshape(resp: Response) -> Response {
-    let status = resp.status();
-    if !(status.is_client_error() || status.is_server_error()) {
-        return resp;
+/// `Path` with E2B's error shape when it cannot be read.
+#[derive(Debug)]
+pub struct E2bPath<T>(pub T);
+
+impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for E2bPath<T> {
+    type Rejection = E2bError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        axum::extract::Path::<T>::from_request_parts(parts, state)
+            .await
+            .map(|p| E2bPath(p.0))
+            .map_err(|r| E2bError::new(r.status(), r.body_text()))
     }
-    let (parts, body) = resp.into_parts();
-    let bytes = axum::body::to_bytes(body, 64 << 10)
-        .await
-        .unwrap_or_default();
-    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
-    let message = match &v["error"]["message"] {
-        serde_json::Value::String(m) => m.clone(),
-        _ => match &v["message"] {
-            serde_json::Value::String(m) => m.clone(),
-            _ => {
-                let text = String::from_utf8_lossy(&bytes).trim().to_string();
-                if text.is_empty() {
-                    status.canonical_reason().unwrap_or("error").to_string()
-                } else {
-                    text
-                }
-            }
-        },
-    };
-    let mut out = E2bError::new(status, message).into_response();
-    for (k, v) in parts.headers.iter() {
-        if k != header::CONTENT_TYPE && k != header::CONTENT_LENGTH {
-            out.headers_mut().insert(k.clone(), v.clone());
+}
+
+/// `Query` with E2B's error shape when it cannot be read.
+#[derive(Debug)]
+pub struct E2bQuery<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for E2bQuery<T> {
+    type Rejection = E2bError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        axum::extract::Query::<T>::from_request_parts(parts, state)
+            .await
+            .map(|q| E2bQuery(q.0))
+            .map_err(|r| E2bError::new(r.status(), r.body_text()))
+    }
+}
+
+/// The fallbacks of an E2B router (`what`: whose routes): an unknown path is `404`, a known
+/// path with another method `405`, both in E2B's error shape.
+pub fn with_fallbacks(router: Router<E2bState>, what: &'static str) -> Router<E2bState> {
+    router
+        .fallback(move |req: Request| async move {
+            E2bError::not_found(format!(
+                "no route {} {} in {what}",
+                req.method(),
+                req.uri().path()
+            ))
+        })
+        .method_not_allowed_fallback(move |req: Request| async move {
+            E2bError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                format!(
+                    "{} is not allowed on {} in {what}",
+                    req.method(),
+                    req.uri().path()
+                ),
+            )
+        })
+}
+
+/// The E2B surface as the server's router holds it: its state and its three routers, built
+/// once with the server's.
+#[derive(Clone)]
+pub struct Surface {
+    /// The surface's state.
+    pub st: E2bState,
+    /// The control plane (`/sandboxes`, `/v2/sandboxes`, `/snapshots`, `/templates`).
+    pub control: Router,
+    /// envd's HTTP routes (`/files`, `/envs`, `/health`; its Connect services are `rpc`).
+    pub envd: Router,
+    /// The code interpreter (`/execute`, `/contexts`).
+    pub interp: Router,
+}
+
+impl Surface {
+    /// The surface over the server's state.
+    pub fn new(app: AppState) -> Self {
+        let st = E2bState::new(app);
+        Surface {
+            control: control::routes().with_state(st.clone()),
+            envd: envd::routes().with_state(st.clone()),
+            interp: interp::routes().with_state(st.clone()),
+            st,
         }
     }
-    out
+}
+
+impl std::fmt::Debug for Surface {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Surface").finish_non_exhaustive()
+    }
 }
 
 #[cfg(test)]
@@ -742,6 +799,27 @@ mod tests {
             Some(super::interp::E2B_PYTHON),
             "no context named: E2B's default python context"
         );
+    }
+
+    #[tokio::test]
+    async fn unknown_routes_and_methods_answer_in_e2bs_shape_on_every_surface() {
+        let app = app();
+        let (s, v) = send_json(&app, control("PUT", "/v2/sandboxes", "{}")).await;
+        assert_e2b_error(s, &v, StatusCode::METHOD_NOT_ALLOWED);
+        let (s, v) = send_json(&app, control("GET", "/sandboxes/x/nothing", "")).await;
+        assert_e2b_error(s, &v, StatusCode::NOT_FOUND);
+        for (port, path) in [(ENVD_PORT, "/files"), (INTERP_PORT, "/execute")] {
+            let r = sandbox_req(KNOWN, port, "PATCH", path, true)
+                .body(Body::empty())
+                .unwrap();
+            let (s, v) = send_json(&app, r).await;
+            assert_e2b_error(s, &v, StatusCode::METHOD_NOT_ALLOWED);
+            let r = sandbox_req(KNOWN, port, "GET", "/no/such/route", true)
+                .body(Body::empty())
+                .unwrap();
+            let (s, v) = send_json(&app, r).await;
+            assert_e2b_error(s, &v, StatusCode::NOT_FOUND);
+        }
     }
 
     #[tokio::test]

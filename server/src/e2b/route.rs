@@ -19,8 +19,8 @@ use axum::response::{IntoResponse, Response};
 use ember_runtime::call::{self, Io};
 
 pub use super::target::{gone_or, Target};
+use super::Surface;
 use super::{control, envd, interp, E2bError, E2bRoute, E2bState, ENVD_PORT, INTERP_PORT};
-use crate::AppState;
 use ember_runtime::State as SandboxState;
 
 /// Where a request goes.
@@ -135,20 +135,24 @@ pub fn classify(domain: Option<&str>, headers: &HeaderMap, uri: &Uri) -> Result<
     Ok(Traffic::Native)
 }
 
-/// The outer middleware: E2B traffic is answered here, the rest goes on to the native API.
-pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> Response {
-    let st = E2bState::new(app);
+/// The outer middleware: E2B traffic is answered here (by the surface's routers, built once
+/// with the server's), the rest goes on to the native API.
+pub async fn dispatch(State(surface): State<Surface>, req: Request, next: Next) -> Response {
+    let st = surface.st.clone();
     let traffic = classify(st.opts.domain.as_deref(), req.headers(), req.uri());
     let (label, mut resp) = match traffic {
         Ok(Traffic::Native) => return next.run(req).await,
-        Ok(Traffic::Control) => ("e2b:control", control::handle(st, req).await),
+        Ok(Traffic::Control) => (
+            "e2b:control",
+            control::handle(&st, &surface.control, req).await,
+        ),
         Ok(Traffic::Sandbox { id, port }) => {
             let label = match port {
                 ENVD_PORT => "e2b:envd",
                 INTERP_PORT => "e2b:interpreter",
                 _ => "e2b:port",
             };
-            (label, sandbox(st, id, port, req).await)
+            (label, sandbox(&surface, id, port, req).await)
         }
         Err(e) => ("e2b:invalid", e.into_response()),
     };
@@ -226,7 +230,8 @@ fn signed(token: &str, method: &Method, uri: &Uri, now: i64) -> bool {
 }
 
 /// Routes one request to sandbox `id`'s `port`.
-async fn sandbox(st: E2bState, id: String, port: u16, mut req: Request) -> Response {
+async fn sandbox(surface: &Surface, id: String, port: u16, mut req: Request) -> Response {
+    let st = surface.st.clone();
     let health = port == ENVD_PORT && req.uri().path() == "/health" && req.method() == Method::GET;
     let known_port = port == ENVD_PORT || port == INTERP_PORT;
     if known_port && !health && !authorized(&st, &id, port, req.method(), req.uri(), req.headers())
@@ -311,9 +316,9 @@ async fn sandbox(st: E2bState, id: String, port: u16, mut req: Request) -> Respo
         info,
     });
     if port == ENVD_PORT {
-        envd::handle(st, id, req).await
+        envd::handle(st, &surface.envd, id, req).await
     } else {
-        interp::handle(st, req).await
+        interp::handle(&surface.interp, req).await
     }
 }
 
