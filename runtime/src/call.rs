@@ -265,8 +265,9 @@ calls! {
         tag: Option<String>,
         config: serde_json::Value,
     } -> u32;
-    /// Streams a background program's output — what it wrote so far (the last 1 MiB of each
-    /// stream), then live — through [`Io::events`] until it exits or [`Io::cancel`] fires.
+    /// Streams a background program's output through [`Io::events`] — `Started` once the
+    /// attach is on its way to the guest, then what it wrote so far (the last 1 MiB of each
+    /// stream), then live — until it exits or [`Io::cancel`] fires.
     ProcessAttach "process_attach" { id: String, pid: u32 } -> ProcessEnd;
     /// The programs the agent started that run or have not been collected.
     ProcessList "process_list" { id: String } -> Vec<ProcessInfo>;

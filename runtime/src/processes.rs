@@ -103,8 +103,9 @@ impl Runtime {
         Ok(pid)
     }
 
-    /// Streams background program `pid`'s output (what it wrote so far, then live) to
-    /// `on_event` until it exits, `on_event` says stop or `cancel` fires. A program seen
+    /// Streams background program `pid`'s output to `on_event`: first `Started { pid }` when
+    /// the attach call has been sent to the guest, then what the program wrote so far and
+    /// live output, until it exits, `on_event` says stop or `cancel` fires. A program seen
     /// ending is forgotten from the registry.
     pub fn process_attach(
         &self,
@@ -120,6 +121,14 @@ impl Runtime {
         let r = self.audited_stream(id, "process_attach", args, &cancel, |vm, bytes| {
             let r = vm.sandbox.with_client("process_attach", |c| {
                 if !cancel.arm(c.get_ref()) {
+                    return Err(ClientError::Closed);
+                }
+                // The caller learns that the attach is on its way before the guest answers
+                // anything (a quiet program says nothing for a long time): a surface can
+                // confirm its stream then, so that what its client does next (a signal)
+                // reaches the guest after the attach.
+                if !on_event(&EventKind::Started { pid: gpid }) {
+                    cancel.fire();
                     return Err(ClientError::Closed);
                 }
                 let call = Call::ProcessAttach(PidRequest { pid: gpid });

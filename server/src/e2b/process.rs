@@ -621,8 +621,6 @@ fn attach_stream(
         let _ = ev_tx.blocking_send(AttachMsg::End(r));
     })?;
     let (tx, rx) = mpsc::channel::<Bytes>(16);
-    // The channel is empty: the first frame always fits.
-    let _ = tx.try_send(start_event(pid));
     let pump = Pump {
         st: st.clone(),
         id: id.to_string(),
@@ -654,6 +652,10 @@ fn attach(
     };
     let mut on_event = |ev: &EventKind| {
         let frame = match ev {
+            // envd sends `start` once the stream is subscribed: here, once the attach is on
+            // its way to the guest (a signal the client sends after reading `start` then
+            // finds the attach there, and the attach sees the end).
+            EventKind::Started { .. } => start_event(pid),
             EventKind::Stdout { data } => data_event(out_kind, data),
             EventKind::Stderr { data } => data_event(err_kind, data),
             _ => return true,
