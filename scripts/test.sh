@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The test command: installs the test prerequisites (scripts/test-prereqs.sh; a quick check
 # when they are there), builds every binary (the end-to-end tests run the real `ember`,
-# `ember-vmm` and `ember-jailer`), then runs all unit and integration tests and ends with one
-# line `tests: N passed, N failed, N skipped, N ignored` and the skipped tests with their
-# reasons. Needs root and /dev/kvm; builds the guest kernel and rootfs on first use if they
-# are not cached. Exits non-zero when a test failed. cargo's output is also kept in
-# ${CARGO_TARGET_DIR:-target}/test.log.
+# `ember-vmm` and `ember-jailer`), then runs all unit and integration tests, prints the time of
+# each test suite (longest first) and ends with one line `tests: N passed, N failed, N skipped`
+# and the skipped tests with their reasons. Needs root and /dev/kvm; builds the guest kernel
+# and rootfs on first use if they are not cached. Exits non-zero when a test failed. cargo's
+# output is also kept in ${CARGO_TARGET_DIR:-target}/test.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ci=false
@@ -43,9 +43,40 @@ log="${CARGO_TARGET_DIR:-target}/test.log"
 mkdir -p "$(dirname "$log")"
 # Guest boots are slow on kvm_pvm and the machine has 2 cores: two test threads.
 status=0
+test_start=$SECONDS
 # cargo's exit status (or 1 when only the tee failed), not the pipeline's.
 cargo test --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee "$log" ||
     status=$((PIPESTATUS[0] ? PIPESTATUS[0] : 1))
+test_wall=$((SECONDS - test_start))
+
+# Where the time went: each test binary (a suite: one file of integration tests, a crate's unit
+# tests or doc-tests) with the `finished in` of its `test result:` line, longest first. The
+# binaries run one after another, so these add up to the run's time less the build. Suites
+# under a second are summed in one line.
+echo
+echo "suite times (seconds, longest first):"
+awk '
+    /^ +Running / {
+        # "Running files_exec.rs (target/debug/deps/files_exec-<hash>)" or
+        # "Running unittests src/lib.rs (target/debug/deps/ember_agent-<hash>)"
+        bin = $NF; gsub(/[()]/, "", bin); sub(/.*\//, "", bin); sub(/-[0-9a-f]+$/, "", bin)
+        name = ($2 == "unittests") ? bin " (unit tests, " $3 ")" : bin
+        next
+    }
+    /^ +Doc-tests / { name = $2 " (doc-tests)"; next }
+    /^test result:/ && name != "" {
+        for (i = 1; i < NF; i++) if ($i == "finished" && $(i + 1) == "in") secs = $(i + 2)
+        sub(/s$/, "", secs)
+        printf "%s\t%s\n", secs + 0, name
+        name = ""
+    }' "$log" | sort -t $'\t' -k1,1 -rn | awk -F '\t' -v wall="$test_wall" '
+    $1 >= 1 { printf "  %7.1f  %s\n", $1, $2 }
+    $1 < 1 { small++; small_secs += $1 }
+    { total += $1 }
+    END {
+        if (small) printf "  %7.1f  (%d suites under 1 s each)\n", small_secs, small
+        printf "  %7.1f  all suites; cargo test took %d s with building the tests\n", total, wall
+    }'
 
 # The summary: the sums of every `test result:` line, and the skip log.
 read -r passed failed ignored < <(awk '
