@@ -38,7 +38,8 @@ lines=()
 # --- Debian packages
 if $packages; then
     pkgs=(python3 python3-venv python3-ipython python3-matplotlib python3-matplotlib-inline
-          python3-pandas python3-openpyxl chromium iproute2 nftables util-linux gcc)
+          python3-pandas python3-openpyxl chromium iproute2 nftables util-linux gcc
+          postgresql)
     missing=()
     for p in "${pkgs[@]}"; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -2,6 +2,7 @@
 //! One file per subcommand group; this file only names the groups.
 
 mod browser;
+mod fleet;
 mod remote;
 mod render;
 mod run;
@@ -50,6 +51,15 @@ enum Cmd {
     Bench(ember_bench_cli::BenchCmd),
     /// Serve the sandbox API over HTTP (the runtime of this host; see docs/api.md).
     Serve(serve::ServeArgs),
+    /// Serve this host's runtime as a node of a fleet (docs/cluster.md): the server of
+    /// `ember serve`, plus an internal API for the gateways and a heartbeat to the directory.
+    Node(fleet::NodeArgs),
+    /// Serve the native and E2B APIs for a whole fleet, forwarding each call to the node that
+    /// holds its sandbox (stateless: run any number).
+    Gateway(fleet::GatewayArgs),
+    /// Look at a fleet: its nodes, their capacity, templates and sandboxes.
+    #[command(subcommand)]
+    Cluster(fleet::ClusterCmd),
     /// Manage sandboxes on a running `ember serve` (EMBER_URL, EMBER_TOKEN).
     Sandbox(remote::SandboxArgs),
     /// Run code in a sandbox's context, streaming its output.
@@ -80,6 +90,9 @@ fn main() -> ExitCode {
         Cmd::Run(a) => run::main(a),
         Cmd::Template(c) => template::main(c),
         Cmd::Serve(a) => serve::main(a),
+        Cmd::Node(a) => fleet::node_main(a),
+        Cmd::Gateway(a) => fleet::gateway_main(a),
+        Cmd::Cluster(c) => fleet::cluster_main(c),
         Cmd::Sandbox(a) => remote::sandbox_main(a),
         Cmd::Code(a) => remote::code_main(a),
         Cmd::Exec(a) => remote::exec_main(a),

@@ -97,6 +97,10 @@ pub struct ServeArgs {
     /// nameserver).
     #[arg(long, env = "EMBER_DNS_UPSTREAM", value_name = "IP[:PORT]")]
     pub dns_upstream: Option<String>,
+    /// First host uid of the jailed VMMs (each running sandbox gets its own uid above it;
+    /// default 200000). Two runtimes on one host need ranges that do not overlap.
+    #[arg(long, value_name = "UID")]
+    pub uid_base: Option<u32>,
 }
 
 /// The E2B settings of the flags.
@@ -118,7 +122,7 @@ fn e2b_options(a: &ServeArgs) -> Result<E2bOptions, String> {
     Ok(o)
 }
 
-fn init_logging() {
+pub(crate) fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
@@ -172,6 +176,15 @@ fn raise_open_file_limit() {
 
 /// Runs `ember serve`.
 pub fn main(a: ServeArgs) -> ExitCode {
+    run(a, None)
+}
+
+/// What `ember node` starts beside the server, once the runtime is open: its internal API
+/// and its heartbeat (`Err`: why the node cannot start).
+pub type NodeStart = Box<dyn FnOnce(&tokio::runtime::Runtime, &Runtime) -> Result<(), String>>;
+
+/// Runs the server over this host's runtime (`ember serve`; `ember node` with `node`).
+pub fn run(a: ServeArgs, node: Option<NodeStart>) -> ExitCode {
     init_logging();
     let mut cfg = RuntimeConfig::from_env();
     if let Some(n) = a.max_running {
@@ -191,6 +204,9 @@ pub fn main(a: ServeArgs) -> ExitCode {
     }
     if a.max_cpu_percent.is_some() {
         cfg.max_cpu_percent = a.max_cpu_percent;
+    }
+    if let Some(u) = a.uid_base {
+        cfg.uid_base = u;
     }
     cfg.kill_on_drop = false;
     cfg.share_vmm_binary = !a.private_vmm_copies;
@@ -277,6 +293,11 @@ pub fn main(a: ServeArgs) -> ExitCode {
             ))
         }
     };
+    if let Some(start) = node {
+        if let Err(e) = start(&tokio, &rt) {
+            return fail(e);
+        }
+    }
     let addr = server.local_addr();
     eprintln!(
         "ember: serving on http://{addr} (state in {}; bearer token in {})",

@@ -338,6 +338,70 @@ calls! {
     Exposed "exposed" { id: String, port: u16 } -> Option<ExposedPort>;
 }
 
+/// Names the calls addressed to one sandbox (their `id` field), for [`Request::sandbox`].
+macro_rules! addressed {
+    ($($name:ident),* $(,)?) => {
+        impl Request {
+            /// The sandbox the call is addressed to (`None`: a call about templates,
+            /// snapshots, the audit log or the whole runtime). A fleet's gateway routes by it.
+            pub fn sandbox(&self) -> Option<&str> {
+                match self {
+                    $(Request::$name(c) => Some(&c.id),)*
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+addressed!(
+    Get,
+    Kill,
+    Pause,
+    Resume,
+    SetTimeout,
+    TakeSnapshot,
+    Fork,
+    History,
+    GetUsage,
+    ContextCreate,
+    ContextList,
+    ContextRestart,
+    ContextRemove,
+    Interrupt,
+    ProcessSignal,
+    RunCode,
+    Exec,
+    ProcessStart,
+    ProcessAttach,
+    ProcessList,
+    StdinWrite,
+    StdinClose,
+    ProcessResize,
+    ProcessRemember,
+    ProcessRecords,
+    ProcessForget,
+    WriteFile,
+    ReadFile,
+    ListFiles,
+    Stat,
+    Mkdir,
+    Remove,
+    Rename,
+    Watch,
+    WatcherCreate,
+    WatcherEvents,
+    WatcherRemove,
+    CollectArtifacts,
+    Artifacts,
+    ArtifactPath,
+    GetNetwork,
+    SetNetwork,
+    Expose,
+    Unexpose,
+    Exposed,
+);
+
 fn missing(call: &str, what: &str) -> RuntimeError {
     RuntimeError::Internal(format!("{call}: the caller gave no {what}"))
 }
@@ -583,6 +647,20 @@ mod tests {
                 .contains("get: the handler answered another call"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn sandbox_calls_name_their_sandbox() {
+        let get: Request = Get { id: "sb1".into() }.into();
+        assert_eq!(get.sandbox(), Some("sb1"));
+        let list: Request = ListSnapshots {}.into();
+        assert_eq!(list.sandbox(), None);
+        let w: Request = WatcherEvents {
+            id: "sb2".into(),
+            watcher: "w1".into(),
+        }
+        .into();
+        assert_eq!(w.sandbox(), Some("sb2"));
     }
 
     #[test]

@@ -355,11 +355,12 @@ pub fn host(h: &HostSide<'_>) -> Value {
     }
     let ours = json!(format!("{}*", h.veth_prefix));
     let drop = || vec![json!({"counter": "dropped"}), json!({"drop": null})];
-    // From a sandbox: only out of the uplink.
-    let mut r = vec![
-        m(meta("iifname"), ours.clone()),
-        ne(meta("oifname"), json!(h.uplink)),
-    ];
+    // From a sandbox: only out of the uplink (none: a host without one forwards nothing of
+    // theirs; egress policies are refused before they get here).
+    let mut r = vec![m(meta("iifname"), ours.clone())];
+    if !h.uplink.is_empty() {
+        r.push(ne(meta("oifname"), json!(h.uplink)));
+    }
     r.extend(drop());
     t.rule("forward", r);
     // To a sandbox: only replies.
@@ -378,15 +379,17 @@ pub fn host(h: &HostSide<'_>) -> Value {
     let mut r = vec![m(meta("iifname"), ours)];
     r.extend(drop());
     t.rule("input", r);
-    t.rule(
-        "postrouting",
-        vec![
-            json!({"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}},
-                             "right": prefix(&h.pool)}}),
-            m(meta("oifname"), json!(h.uplink)),
-            json!({"masquerade": null}),
-        ],
-    );
+    if !h.uplink.is_empty() {
+        t.rule(
+            "postrouting",
+            vec![
+                json!({"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}},
+                                 "right": prefix(&h.pool)}}),
+                m(meta("oifname"), json!(h.uplink)),
+                json!({"masquerade": null}),
+            ],
+        );
+    }
     t.done()
 }
 
@@ -486,6 +489,33 @@ mod tests {
             host_addrs: vec!["192.0.2.7".parse().unwrap(), "10.1.1.1".parse().unwrap()],
             pool: Cidr4::parse("203.0.113.0/24").unwrap(),
         }
+    }
+
+    #[test]
+    fn a_host_without_an_uplink_forwards_nothing_of_the_sandboxes_and_never_names_one() {
+        let pool = Cidr4::parse("10.199.0.0/16").unwrap();
+        let with = host(&HostSide {
+            table: "ember_t",
+            veth_prefix: "vht",
+            uplink: "eth0",
+            pool,
+        })
+        .to_string();
+        assert!(
+            with.contains("\"eth0\"") && with.contains("masquerade"),
+            "{with}"
+        );
+        let without = host(&HostSide {
+            table: "ember_t",
+            veth_prefix: "vht",
+            uplink: "",
+            pool,
+        })
+        .to_string();
+        // nft refuses an empty interface name: none is written, and nothing is NATed.
+        assert!(!without.contains("\"\""), "{without}");
+        assert!(!without.contains("masquerade"), "{without}");
+        assert!(without.contains("\"drop\""), "{without}");
     }
 
     #[test]

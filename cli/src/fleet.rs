@@ -1,0 +1,248 @@
+//! `ember node`, `ember gateway` and `ember cluster`: ember on many hosts (docs/cluster.md).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use ember_fleet::node::NodeConfig;
+use ember_fleet::{Db, Fleet};
+use ember_server::e2b::E2bOptions;
+use ember_server::{ServeOptions, Server};
+
+use crate::fail;
+use crate::serve::ServeArgs;
+
+/// `ember node`.
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    /// The node's id in the fleet (default: the host name).
+    #[arg(long, env = "EMBER_NODE_ID")]
+    pub node_id: Option<String>,
+    /// The directory: a PostgreSQL URL (`postgres://user:password@host:port/db`).
+    #[arg(long, env = "EMBER_DB", value_name = "URL")]
+    pub db: String,
+    /// Where the internal API listens (gateways send calls there; the node token guards it).
+    #[arg(long, env = "EMBER_INTERNAL_LISTEN", value_name = "ADDR")]
+    pub internal_listen: SocketAddr,
+    /// Where gateways reach the internal API (default: --internal-listen).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub advertise: Option<String>,
+    /// The node token's file, shared by every node and gateway of the fleet (created, mode
+    /// 0600, with a random token if absent: copy it to the others).
+    #[arg(long, env = "EMBER_NODE_TOKEN_FILE", value_name = "FILE")]
+    pub node_token_file: PathBuf,
+    /// A label of the node (`key=value`, repeatable).
+    #[arg(long = "label", value_name = "KEY=VALUE")]
+    pub labels: Vec<String>,
+    /// The node's own server (its runtime's HTTP API, for its operator).
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+/// `ember gateway`.
+#[derive(Debug, Args)]
+pub struct GatewayArgs {
+    /// Address to listen on (the native and E2B APIs for the whole fleet).
+    #[arg(long, env = "EMBER_LISTEN", default_value = "127.0.0.1:7070")]
+    pub listen: SocketAddr,
+    /// The clients' bearer token's file (created, mode 0600, if absent; gateways of one
+    /// fleet share it, so that a client may talk to any of them).
+    #[arg(long, value_name = "FILE")]
+    pub token_file: PathBuf,
+    /// The directory: a PostgreSQL URL.
+    #[arg(long, env = "EMBER_DB", value_name = "URL")]
+    pub db: String,
+    /// The node token's file (the nodes' internal APIs take it).
+    #[arg(long, env = "EMBER_NODE_TOKEN_FILE", value_name = "FILE")]
+    pub node_token_file: PathBuf,
+    /// The E2B sandbox domain (as for `ember serve --domain`).
+    #[arg(long, env = "EMBER_E2B_DOMAIN", value_name = "DOMAIN")]
+    pub domain: Option<String>,
+    /// Largest file upload, MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 4096)]
+    pub max_upload_mib: u64,
+    /// After SIGINT/SIGTERM, how long open streams may go on, seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 10)]
+    pub shutdown_grace: u64,
+}
+
+/// `ember cluster`.
+#[derive(Debug, Subcommand)]
+pub enum ClusterCmd {
+    /// The nodes: liveness, capacity, templates, sandboxes per node.
+    Status {
+        /// The directory: a PostgreSQL URL.
+        #[arg(long, env = "EMBER_DB", value_name = "URL")]
+        db: String,
+        /// JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn labels(specs: &[String]) -> Result<serde_json::Value, String> {
+    let mut m = serde_json::Map::new();
+    for s in specs {
+        let (k, v) = s
+            .split_once('=')
+            .ok_or_else(|| format!("--label {s:?}: expected KEY=VALUE"))?;
+        if k.is_empty() {
+            return Err(format!("--label {s:?}: the key is empty"));
+        }
+        m.insert(k.to_string(), serde_json::json!(v));
+    }
+    Ok(serde_json::Value::Object(m))
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "node".into())
+}
+
+/// Runs `ember node`.
+pub fn node_main(a: NodeArgs) -> ExitCode {
+    let labels = match labels(&a.labels) {
+        Ok(l) => l,
+        Err(e) => return fail(e),
+    };
+    let token = match ember_server::load_or_create_token(&a.node_token_file) {
+        Ok(t) => t,
+        Err(e) => return fail(format!("--node-token-file: {e}")),
+    };
+    let db = match Db::open(&a.db) {
+        Ok(db) => Arc::new(db),
+        Err(e) => return fail(e),
+    };
+    let cfg = NodeConfig {
+        id: a.node_id.clone().unwrap_or_else(host_name),
+        advertise: a
+            .advertise
+            .clone()
+            .unwrap_or_else(|| a.internal_listen.to_string()),
+        labels,
+    };
+    let internal = a.internal_listen;
+    let start: crate::serve::NodeStart = Box::new(move |tokio, rt| {
+        let listener = tokio
+            .block_on(tokio::net::TcpListener::bind(internal))
+            .map_err(|e| format!("--internal-listen {internal}: {e}"))?;
+        let app = ember_fleet::node::router(Arc::new(rt.clone()), token);
+        tokio.spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!("the internal API stopped: {e}");
+            }
+        });
+        let epoch = ember_fleet::node::start_heartbeat(
+            db,
+            cfg.clone(),
+            rt.clone(),
+            Arc::new(AtomicBool::new(false)),
+        )
+        .map_err(|e| e.to_string())?;
+        eprintln!(
+            "ember: node {} registered (epoch {epoch}); internal API on {internal}, advertised \
+             as {}",
+            cfg.id, cfg.advertise
+        );
+        Ok(())
+    });
+    crate::serve::run(a.serve, Some(start))
+}
+
+/// Runs `ember gateway`.
+pub fn gateway_main(a: GatewayArgs) -> ExitCode {
+    crate::serve::init_logging();
+    let node_token = match ember_server::load_or_create_token(&a.node_token_file) {
+        Ok(t) => t,
+        Err(e) => return fail(format!("--node-token-file: {e}")),
+    };
+    let db = match Db::open(&a.db) {
+        Ok(db) => Arc::new(db),
+        Err(e) => return fail(e),
+    };
+    let fleet = Arc::new(Fleet::new(db, node_token, a.max_upload_mib << 20));
+    let opts = ServeOptions {
+        listen: a.listen,
+        token_file: a.token_file.clone(),
+        shutdown_grace: Duration::from_secs(a.shutdown_grace),
+        e2b: E2bOptions {
+            domain: a.domain.clone().filter(|d| !d.trim().is_empty()),
+            ..E2bOptions::default()
+        },
+    };
+    let tokio = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("ember-gateway")
+        .build()
+    {
+        Ok(t) => t,
+        Err(e) => return fail(format!("cannot start the async runtime: {e}")),
+    };
+    let server = match tokio.block_on(Server::bind(opts)) {
+        Ok(s) => s,
+        Err(e) => return fail(e),
+    };
+    eprintln!(
+        "ember: gateway serving on http://{} (bearer token in {})",
+        server.local_addr(),
+        a.token_file.display()
+    );
+    let result = tokio.block_on(server.run(fleet));
+    tokio.shutdown_timeout(Duration::from_secs(5));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(e),
+    }
+}
+
+/// Runs `ember cluster …`.
+pub fn cluster_main(c: ClusterCmd) -> ExitCode {
+    match c {
+        ClusterCmd::Status { db, json } => {
+            let db = match Db::open(&db) {
+                Ok(db) => db,
+                Err(e) => return fail(e),
+            };
+            let nodes = match db.nodes() {
+                Ok(n) => n,
+                Err(e) => return fail(e),
+            };
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&nodes).unwrap_or_default()
+                );
+                return ExitCode::SUCCESS;
+            }
+            println!(
+                "{:<16} {:<22} {:<6} {:>9} {:>8} {:>9}  templates",
+                "node", "address", "live", "heartbeat", "running", "sandboxes"
+            );
+            for n in &nodes {
+                let live = n.heartbeat_age_secs <= ember_fleet::gateway::LIVE_WITHIN.as_secs_f64();
+                println!(
+                    "{:<16} {:<22} {:<6} {:>8.1}s {:>4}/{:<3} {:>9}  {}",
+                    n.node.id,
+                    n.node.addr,
+                    if live { "yes" } else { "LOST" },
+                    n.heartbeat_age_secs,
+                    n.node.running,
+                    n.node.max_running,
+                    n.sandboxes,
+                    n.node.templates.join(",")
+                );
+            }
+            if nodes.is_empty() {
+                println!("(no node has registered)");
+            }
+            ExitCode::SUCCESS
+        }
+    }
+}

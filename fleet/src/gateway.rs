@@ -1,0 +1,325 @@
+//! `ember gateway`'s backend: the runtime's call surface for a whole fleet. The gateway runs
+//! the same HTTP server as `ember serve` (native API, E2B API) over this [`Fleet`] instead of
+//! a local runtime; each call goes to the node that holds its sandbox.
+//!
+//! - A call addressed to a sandbox (`Request::sandbox`) goes to its node: the route comes from
+//!   a cache, else from the directory. A node that answers "no such sandbox" for a cached
+//!   route has the route re-read once (it may have moved), never served by another VM.
+//! - `create` is placed: nodes whose heartbeat is fresh ([`LIVE_WITHIN`]), with room, the
+//!   fewest running first (ties: those that hold the template); a node that refuses or cannot
+//!   be reached is skipped for the next. A create from a named snapshot goes to the node that
+//!   holds it. `fork` children stay on their parent's node.
+//! - Lists (sandboxes, templates, snapshots) are asked of every live node and merged.
+//!
+//! The gateway keeps nothing that a restart would lose: routes are in the directory.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ember_runtime::call::{self, Handler, Io, Reply, Request};
+use ember_runtime::{RuntimeError, SandboxInfo};
+
+use crate::client::NodeClient;
+use crate::db::{Db, NodeStatus};
+
+/// A node is live when its last heartbeat is this recent.
+pub const LIVE_WITHIN: Duration = Duration::from_secs(10);
+
+/// The fleet, as a gateway sees it.
+#[derive(Debug)]
+pub struct Fleet {
+    db: Arc<Db>,
+    token: String,
+    max_upload_bytes: u64,
+    routes: Mutex<HashMap<String, String>>,
+    clients: Mutex<HashMap<String, (String, Arc<NodeClient>)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn db_error(e: crate::FleetError) -> RuntimeError {
+    RuntimeError::Internal(format!("the fleet's directory: {e}"))
+}
+
+impl Fleet {
+    /// The fleet in `db`, reached with the node token.
+    pub fn new(db: Arc<Db>, node_token: String, max_upload_bytes: u64) -> Fleet {
+        Fleet {
+            db,
+            token: node_token,
+            max_upload_bytes,
+            routes: Mutex::new(HashMap::new()),
+            clients: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The live nodes, fewest running first.
+    pub fn live_nodes(&self) -> Result<Vec<NodeStatus>, RuntimeError> {
+        let mut nodes: Vec<NodeStatus> = self
+            .db
+            .nodes()
+            .map_err(db_error)?
+            .into_iter()
+            .filter(|n| n.heartbeat_age_secs <= LIVE_WITHIN.as_secs_f64())
+            .collect();
+        nodes.sort_by_key(|n| {
+            (
+                i64::from(n.node.running) + n.placed_recently,
+                n.node.id.clone(),
+            )
+        });
+        Ok(nodes)
+    }
+
+    fn client(&self, node: &NodeStatus) -> Arc<NodeClient> {
+        let mut clients = lock(&self.clients);
+        match clients.get(&node.node.id) {
+            Some((addr, c)) if *addr == node.node.addr => c.clone(),
+            _ => {
+                let c = Arc::new(NodeClient::new(&node.node.id, &node.node.addr, &self.token));
+                clients.insert(node.node.id.clone(), (node.node.addr.clone(), c.clone()));
+                c
+            }
+        }
+    }
+
+    fn client_of(&self, node_id: &str) -> Result<Arc<NodeClient>, RuntimeError> {
+        if let Some((_, c)) = lock(&self.clients).get(node_id) {
+            return Ok(c.clone());
+        }
+        let nodes = self.db.nodes().map_err(db_error)?;
+        let n = nodes
+            .iter()
+            .find(|n| n.node.id == node_id)
+            .ok_or_else(|| RuntimeError::Internal(format!("node {node_id} is not registered")))?;
+        Ok(self.client(n))
+    }
+
+    /// The node that holds `sandbox` (`fresh`: read past the cache).
+    fn route(&self, sandbox: &str, fresh: bool) -> Result<String, RuntimeError> {
+        if !fresh {
+            if let Some(n) = lock(&self.routes).get(sandbox) {
+                return Ok(n.clone());
+            }
+        }
+        match self.db.route(sandbox).map_err(db_error)? {
+            Some(n) => {
+                lock(&self.routes).insert(sandbox.to_string(), n.clone());
+                Ok(n)
+            }
+            None => Err(RuntimeError::NotFound(sandbox.to_string())),
+        }
+    }
+
+    fn remember(&self, sandbox: &str, node: &str) -> Result<(), RuntimeError> {
+        self.db.put_route(sandbox, node).map_err(db_error)?;
+        lock(&self.routes).insert(sandbox.to_string(), node.to_string());
+        Ok(())
+    }
+
+    /// A call to the node of its sandbox.
+    fn to_sandbox(&self, id: &str, req: Request, io: Io<'_>) -> Result<Reply, RuntimeError> {
+        let node = self.route(id, false)?;
+        let fork = matches!(req, Request::Fork(_));
+        // Only calls without streams may be sent twice (a stale route is caught by the node).
+        let retry = io.events.is_none() && io.input.is_none() && io.output.is_none();
+        let again = retry.then(|| req.clone());
+        let r = self.client_of(&node)?.handle(req, io);
+        let r = match (r, again) {
+            (Err(RuntimeError::NotFound(_)), Some(req)) => {
+                let fresh = self.route(id, true)?;
+                if fresh == node {
+                    return Err(RuntimeError::NotFound(id.to_string()));
+                }
+                self.client_of(&fresh)?.handle(req, Io::none())
+            }
+            (r, _) => r,
+        };
+        if let (true, Ok(Reply::Fork(children))) = (fork, &r) {
+            for c in children {
+                self.remember(&c.id, &node)?;
+            }
+        }
+        r
+    }
+
+    /// Places a create on a live node, trying the next on refusal.
+    fn create(&self, req: call::Create, io: Io<'_>) -> Result<Reply, RuntimeError> {
+        let _ = io;
+        let mut nodes = self.live_nodes()?;
+        if nodes.is_empty() {
+            return Err(RuntimeError::Capacity(
+                "no node of the fleet is live (no heartbeat within 10 s)".into(),
+            ));
+        }
+        if let Some(snap) = req.req.snapshot.clone() {
+            nodes = self.holding_snapshot(&nodes, &snap)?;
+        } else if let Some(t) = req.req.template.as_deref() {
+            // Nodes that hold the template first (stable: load order kept among them).
+            nodes.sort_by_key(|n| !n.node.templates.iter().any(|x| x == t));
+        }
+        let mut last = None;
+        for n in nodes.iter().filter(|n| {
+            i64::from(n.node.running) + n.placed_recently < i64::from(n.node.max_running)
+        }) {
+            let c = self.client(n);
+            match c.handle(req.clone().into(), Io::none()) {
+                Ok(Reply::Create(info)) => {
+                    self.remember(&info.id, &n.node.id)?;
+                    return Ok(Reply::Create(info));
+                }
+                Ok(_) => {
+                    return Err(RuntimeError::Internal(format!(
+                        "node {} answered create with another call's reply",
+                        n.node.id
+                    )))
+                }
+                Err(e @ RuntimeError::Invalid(_)) => return Err(e),
+                Err(e) => {
+                    tracing::info!("create: node {} refused: {e}; trying the next", n.node.id);
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            RuntimeError::Capacity("every live node of the fleet is full".into())
+        }))
+    }
+
+    fn holding_snapshot(
+        &self,
+        nodes: &[NodeStatus],
+        name: &str,
+    ) -> Result<Vec<NodeStatus>, RuntimeError> {
+        let mut out = Vec::new();
+        for n in nodes {
+            if let Ok(Reply::ListSnapshots(list)) = self
+                .client(n)
+                .handle(call::ListSnapshots {}.into(), Io::none())
+            {
+                if list.iter().any(|s| s.name == name) {
+                    out.push(n.clone());
+                }
+            }
+        }
+        if out.is_empty() {
+            return Err(RuntimeError::NoSuchSnapshot(format!(
+                "no live node holds snapshot {name:?}"
+            )));
+        }
+        Ok(out)
+    }
+
+    /// Every live node's answer to `req` (nodes that fail are left out, with a log line).
+    fn each(&self, req: &Request) -> Result<Vec<(String, Reply)>, RuntimeError> {
+        let nodes = self.live_nodes()?;
+        let mut out = Vec::new();
+        for n in &nodes {
+            match self.client(n).handle(req.clone(), Io::none()) {
+                Ok(r) => out.push((n.node.id.clone(), r)),
+                Err(e) => tracing::warn!("{}: node {} left out: {e}", req.name(), n.node.id),
+            }
+        }
+        Ok(out)
+    }
+
+    fn list(&self, req: Request) -> Result<Reply, RuntimeError> {
+        let mut all: Vec<SandboxInfo> = Vec::new();
+        for (node, r) in self.each(&req)? {
+            if let Reply::List(l) = r {
+                for s in &l {
+                    lock(&self.routes).insert(s.id.clone(), node.clone());
+                }
+                all.extend(l);
+            }
+        }
+        all.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
+        Ok(Reply::List(all))
+    }
+}
+
+impl Handler for Fleet {
+    fn handle(&self, req: Request, io: Io<'_>) -> Result<Reply, RuntimeError> {
+        if let Some(id) = req.sandbox().map(str::to_string) {
+            return self.to_sandbox(&id, req, io);
+        }
+        match req {
+            Request::Create(c) => self.create(c, io),
+            r @ Request::List(_) => self.list(r),
+            r @ Request::ListTemplates(_) => {
+                let mut all: Vec<ember_runtime::TemplateSummary> = Vec::new();
+                for (_, reply) in self.each(&r)? {
+                    if let Reply::ListTemplates(l) = reply {
+                        for t in l {
+                            if !all.iter().any(|x| x.name == t.name && x.key == t.key) {
+                                all.push(t);
+                            }
+                        }
+                    }
+                }
+                Ok(Reply::ListTemplates(all))
+            }
+            r @ Request::ListSnapshots(_) => {
+                let mut all = Vec::new();
+                for (_, reply) in self.each(&r)? {
+                    if let Reply::ListSnapshots(l) = reply {
+                        all.extend(l);
+                    }
+                }
+                Ok(Reply::ListSnapshots(all))
+            }
+            Request::DeleteSnapshot(d) => {
+                let r: Request = d.clone().into();
+                let mut deleted = false;
+                for (_, reply) in self.each(&r)? {
+                    deleted |= matches!(reply, Reply::DeleteSnapshot(()));
+                }
+                if deleted {
+                    Ok(Reply::DeleteSnapshot(()))
+                } else {
+                    Err(RuntimeError::NoSuchSnapshot(format!(
+                        "no live node holds snapshot {:?}",
+                        d.name
+                    )))
+                }
+            }
+            r @ Request::Audit(_) => {
+                let mut all = Vec::new();
+                for (_, reply) in self.each(&r)? {
+                    if let Reply::Audit(l) = reply {
+                        all.extend(l);
+                    }
+                }
+                all.sort_by(|a: &ember_runtime::AuditRecord, b| a.at.cmp(&b.at));
+                Ok(Reply::Audit(all))
+            }
+            r @ Request::GetMetrics(_) => {
+                // The first live node's (a fleet-wide sum is the monitoring system's job).
+                match self.each(&r)?.into_iter().next() {
+                    Some((_, reply)) => Ok(reply),
+                    None => Err(RuntimeError::Capacity(
+                        "no node of the fleet is live".into(),
+                    )),
+                }
+            }
+            Request::BuildTemplate(b) => Err(RuntimeError::Invalid(format!(
+                "template {}: templates are built on a node (`ember template build {}` there); \
+                 the gateway lists them",
+                b.name, b.name
+            ))),
+            other => Err(RuntimeError::Internal(format!(
+                "the gateway cannot route {}",
+                other.name()
+            ))),
+        }
+    }
+}
+
+impl ember_server::Backend for Fleet {
+    fn max_upload_bytes(&self) -> u64 {
+        self.max_upload_bytes
+    }
+}

@@ -1,0 +1,371 @@
+//! `ember node`'s side of the fleet: the internal API that takes the runtime's calls from
+//! gateways, and the registration and heartbeat that tell the directory the node is there.
+//!
+//! The internal API listens on its own address, apart from the node's own HTTP API, and
+//! takes only the node token (`Authorization: Bearer <node token>`, compared in constant
+//! time): it is never open. `POST /internal/v1/call` carries one call in the framing of
+//! [`crate::wire`]; `GET /internal/v1/health` answers 200 while the runtime is up.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use bytes::Bytes;
+use ember_runtime::call::{Cancel, CancelOnDrop, EventKind, Handler, Io, Request as Call};
+use ember_runtime::Runtime;
+use futures_util::StreamExt;
+use tokio::sync::mpsc;
+
+use crate::db::{Db, NodeRecord};
+use crate::wire::{self, kind, WireError};
+use crate::FleetError;
+
+/// How often a node heartbeats.
+pub const HEARTBEAT: Duration = Duration::from_secs(1);
+
+/// What the internal API serves with.
+#[derive(Clone)]
+struct NodeState {
+    handler: Arc<dyn Handler>,
+    token: Arc<String>,
+}
+
+/// The internal API's router over `handler` (the node's runtime), guarded by `token`.
+pub fn router(handler: Arc<dyn Handler>, token: String) -> Router {
+    Router::new()
+        .route("/internal/v1/call", post(call))
+        .route("/internal/v1/health", get(|| async { StatusCode::OK }))
+        .with_state(NodeState {
+            handler,
+            token: Arc::new(token),
+        })
+}
+
+fn authorized(st: &NodeState, req: &Request) -> bool {
+    let Some(v) = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let Some(t) = v.strip_prefix("Bearer ") else {
+        return false;
+    };
+    crate::same(t.trim().as_bytes(), st.token.as_bytes())
+}
+
+fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, message.into()).into_response()
+}
+
+/// One call: the request, its input after it, and the frames of its events, output and
+/// reply back.
+async fn call(State(st): State<NodeState>, req: Request) -> Response {
+    if !authorized(&st, &req) {
+        return refuse(
+            StatusCode::UNAUTHORIZED,
+            "the internal API wants the node token (Authorization: Bearer …)",
+        );
+    }
+    let mut body = req.into_body().into_data_stream();
+    // The request: its length, then its JSON (both may span chunks).
+    let mut head = Vec::new();
+    let mut need = None;
+    loop {
+        if need.is_none() && head.len() >= 4 {
+            let n = u32::from_be_bytes([head[0], head[1], head[2], head[3]]);
+            if n > wire::MAX_REQUEST {
+                return refuse(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "the call's request is too big",
+                );
+            }
+            need = Some(4 + n as usize);
+        }
+        if need.is_some_and(|n| head.len() >= n) {
+            break;
+        }
+        match body.next().await {
+            Some(Ok(c)) => head.extend_from_slice(&c),
+            Some(Err(e)) => return refuse(StatusCode::BAD_REQUEST, format!("the body: {e}")),
+            None => return refuse(StatusCode::BAD_REQUEST, "the body ended inside the request"),
+        }
+    }
+    let n = need.unwrap_or(4);
+    let request: Call = match serde_json::from_slice(&head[4..n]) {
+        Ok(r) => r,
+        Err(e) => {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                format!("the call's request is not one this node knows: {e}"),
+            )
+        }
+    };
+    let rest = Bytes::copy_from_slice(&head[n..]);
+    // The input: what followed the request, then the rest of the body.
+    let (in_tx, in_rx) = mpsc::channel::<std::io::Result<Bytes>>(8);
+    let wants_input = matches!(request, Call::WriteFile(_) | Call::StdinWrite(_));
+    if wants_input {
+        tokio::spawn(async move {
+            if !rest.is_empty() && in_tx.send(Ok(rest)).await.is_err() {
+                return;
+            }
+            while let Some(chunk) = body.next().await {
+                let item = chunk.map_err(|e| std::io::Error::other(format!("cut off: {e}")));
+                let stop = item.is_err();
+                if in_tx.send(item).await.is_err() || stop {
+                    break;
+                }
+            }
+        });
+    }
+    let (tx, rx) = mpsc::channel::<Bytes>(32);
+    let cancel = Cancel::new();
+    let handler = st.handler.clone();
+    let thread_cancel = cancel.clone();
+    let span = tracing::Span::current();
+    tokio::task::spawn_blocking(move || {
+        let _enter = span.enter();
+        run(
+            &*handler,
+            request,
+            wants_input.then_some(in_rx),
+            &tx,
+            thread_cancel,
+        );
+    });
+    let guard = CancelOnDrop(cancel);
+    let frames =
+        futures_util::stream::unfold((rx, guard, false), |(mut rx, guard, done)| async move {
+            if done {
+                return None;
+            }
+            let next = tokio::time::timeout(wire::KEEPALIVE, rx.recv()).await;
+            match next {
+                Ok(Some(f)) => {
+                    let last = matches!(f.first(), Some(&kind::REPLY) | Some(&kind::ERROR));
+                    Some((Ok::<_, std::io::Error>(f), (rx, guard, last)))
+                }
+                Ok(None) => None,
+                Err(_) => Some((
+                    Ok(Bytes::from(wire::frame(kind::KEEPALIVE, b""))),
+                    (rx, guard, false),
+                )),
+            }
+        });
+    let mut resp = Response::new(Body::from_stream(frames));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/x-ember-frames"),
+    );
+    resp
+}
+
+/// Runs the call on this thread, sending its frames to `tx`.
+fn run(
+    handler: &dyn Handler,
+    request: Call,
+    input: Option<mpsc::Receiver<std::io::Result<Bytes>>>,
+    tx: &mpsc::Sender<Bytes>,
+    cancel: Arc<Cancel>,
+) {
+    let send = |kind: u8, payload: &[u8]| {
+        tx.blocking_send(Bytes::from(wire::frame(kind, payload)))
+            .is_ok()
+    };
+    let mut on_event = |ev: &EventKind| match serde_json::to_vec(ev) {
+        Ok(json) => send(kind::EVENT, &json),
+        Err(_) => true,
+    };
+    let mut reader = input.map(ChannelInput::new);
+    let mut out = FrameWriter { tx, gone: false };
+    let mut io = Io::events(&mut on_event).with_cancel(cancel);
+    if let Some(r) = reader.as_mut() {
+        io.input = Some(r);
+    }
+    if matches!(request, Call::ReadFile(_)) {
+        io.output = Some(&mut out);
+    }
+    let result = handler.handle(request, io);
+    let (k, payload) = match result {
+        Ok(reply) => match serde_json::to_vec(&reply) {
+            Ok(json) => (kind::REPLY, json),
+            Err(e) => (
+                kind::ERROR,
+                serde_json::to_vec(&WireError::of(&ember_runtime::RuntimeError::Internal(
+                    format!("the reply cannot be encoded: {e}"),
+                )))
+                .unwrap_or_default(),
+            ),
+        },
+        Err(e) => (
+            kind::ERROR,
+            serde_json::to_vec(&WireError::of(&e)).unwrap_or_default(),
+        ),
+    };
+    send(k, &payload);
+}
+
+/// A blocking reader over the body chunks after the request.
+struct ChannelInput {
+    rx: mpsc::Receiver<std::io::Result<Bytes>>,
+    cur: Bytes,
+}
+
+impl ChannelInput {
+    fn new(rx: mpsc::Receiver<std::io::Result<Bytes>>) -> Self {
+        ChannelInput {
+            rx,
+            cur: Bytes::new(),
+        }
+    }
+}
+
+impl std::io::Read for ChannelInput {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        while self.cur.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(Ok(b)) => self.cur = b,
+                Some(Err(e)) => return Err(e),
+                None => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.cur.len());
+        buf[..n].copy_from_slice(&self.cur[..n]);
+        self.cur = self.cur.slice(n..);
+        Ok(n)
+    }
+}
+
+/// Output bytes as `D` frames (64 KiB at most each, as they are written).
+struct FrameWriter<'a> {
+    tx: &'a mpsc::Sender<Bytes>,
+    gone: bool,
+}
+
+impl Write for FrameWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.gone {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "the gateway went away",
+            ));
+        }
+        let n = buf.len().min(64 << 10);
+        if self
+            .tx
+            .blocking_send(Bytes::from(wire::frame(kind::DATA, &buf[..n])))
+            .is_err()
+        {
+            self.gone = true;
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "the gateway went away",
+            ));
+        }
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// What the node registers with.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// Its id.
+    pub id: String,
+    /// Where gateways reach its internal API.
+    pub advertise: String,
+    /// Its labels.
+    pub labels: serde_json::Value,
+}
+
+/// The node's own record, read off this host and runtime.
+pub fn record(cfg: &NodeConfig, rt: &Runtime) -> NodeRecord {
+    let kvm = ember_vmm::cpu::HostKvm::detect();
+    NodeRecord {
+        id: cfg.id.clone(),
+        addr: cfg.advertise.clone(),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        host_kind: match kvm {
+            ember_vmm::cpu::HostKvm::Pvm => "kvm_pvm".into(),
+            ember_vmm::cpu::HostKvm::Hardware => "kvm".into(),
+        },
+        cpu_profile: format!("{:?}", kvm.default_profile()).to_lowercase(),
+        max_running: i32::try_from(rt.config().max_running).unwrap_or(i32::MAX),
+        running: running(rt),
+        labels: cfg.labels.clone(),
+        templates: templates(),
+    }
+}
+
+fn running(rt: &Runtime) -> i32 {
+    let filter = ember_runtime::ListFilter::default();
+    rt.list(&filter)
+        .map(|l| {
+            l.iter()
+                .filter(|s| !s.state.is_final() && s.state != ember_runtime::State::Paused)
+                .count() as i32
+        })
+        .unwrap_or(0)
+}
+
+fn templates() -> Vec<String> {
+    ember_runtime::Template::list()
+        .map(|l| l.into_iter().filter_map(|(name, _)| name).collect())
+        .unwrap_or_default()
+}
+
+/// Registers the node and heartbeats every [`HEARTBEAT`] on a thread of its own until
+/// `stop` is set. A heartbeat that fails (the database is away) is retried at the next tick;
+/// a node the directory forgot registers again.
+pub fn start_heartbeat(
+    db: Arc<Db>,
+    cfg: NodeConfig,
+    rt: Runtime,
+    stop: Arc<AtomicBool>,
+) -> Result<i64, FleetError> {
+    let epoch = db.register(&record(&cfg, &rt))?;
+    std::thread::Builder::new()
+        .name("ember-heartbeat".into())
+        .spawn(move || {
+            let mut failing = false;
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(HEARTBEAT);
+                let r = db
+                    .heartbeat(&cfg.id, running(&rt), &templates())
+                    .and_then(|known| {
+                        if known {
+                            Ok(())
+                        } else {
+                            db.register(&record(&cfg, &rt)).map(drop)
+                        }
+                    });
+                match (r, failing) {
+                    (Ok(()), true) => {
+                        tracing::info!("heartbeat: the directory answers again");
+                        failing = false;
+                    }
+                    (Err(e), false) => {
+                        tracing::warn!("heartbeat failed (retrying every second): {e}");
+                        failing = true;
+                    }
+                    _ => {}
+                }
+            }
+        })
+        .map_err(|e| FleetError::Io(format!("cannot start the heartbeat thread: {e}")))?;
+    Ok(epoch)
+}
