@@ -134,6 +134,12 @@ pub fn node_main(a: NodeArgs) -> ExitCode {
             .block_on(tokio::net::TcpListener::bind(internal))
             .map_err(|e| format!("--internal-listen {internal}: {e}"))?;
         let app = ember_fleet::node::router(Arc::new(rt.clone()), token);
+        // Frames are small and written one by one: no Nagle delay between them.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |s| {
+            if let Err(e) = s.set_nodelay(true) {
+                tracing::debug!("TCP_NODELAY on an internal connection: {e}");
+            }
+        });
         tokio.spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!("the internal API stopped: {e}");

@@ -61,15 +61,17 @@ impl Handler for NodeClient {
         } = io;
         let json = serde_json::to_vec(&req)
             .map_err(|e| RuntimeError::Internal(format!("encoding the call: {e}")))?;
-        let prefix = Cursor::new(wire::request_prefix(&json));
+        let prefix = wire::request_prefix(&json);
         let call = self
             .agent
             .post(&self.url)
             .set("authorization", &format!("Bearer {}", self.token))
             .set("content-type", "application/x-ember-call");
+        // Without input the body's length is known: sent with it, in one write (a chunked
+        // body costs a round of small writes).
         let sent = match input {
-            Some(r) => call.send(prefix.chain(r)),
-            None => call.send(prefix),
+            Some(r) => call.send(Cursor::new(prefix).chain(r)),
+            None => call.send_bytes(&prefix),
         };
         let resp = match sent {
             Ok(r) => r,
@@ -120,10 +122,12 @@ impl Handler for NodeClient {
                 }
                 kind::KEEPALIVE => {}
                 kind::REPLY => {
+                    finish(&mut body);
                     return serde_json::from_slice(&payload)
                         .map_err(|e| self.lost(format!("its reply: {e}")));
                 }
                 kind::ERROR => {
+                    finish(&mut body);
                     let w: WireError = serde_json::from_slice(&payload)
                         .map_err(|e| self.lost(format!("its error: {e}")))?;
                     return Err(w.into_runtime());
@@ -132,4 +136,11 @@ impl Handler for NodeClient {
             }
         }
     }
+}
+
+/// Reads the (empty) rest of an answer after its last frame, so that the connection goes
+/// back to the agent's pool for the next call instead of being closed.
+fn finish(body: &mut dyn Read) {
+    let mut rest = [0u8; 64];
+    while matches!(body.read(&mut rest), Ok(n) if n > 0) {}
 }
