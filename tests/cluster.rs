@@ -15,7 +15,9 @@
 //! - a gateway restarted (stateless: routes are in the directory) serves the same sandboxes;
 //! - the E2B Python SDK, unchanged: create, `run_code`, `files`, `commands` through gateway 1,
 //!   then `Sandbox.connect` and the same sandbox's state through gateway 2;
-//! - kill through one gateway, gone through the other.
+//! - kill through one gateway, gone through the other;
+//! - a quota of 5 live sandboxes holds across gateways: ten creates racing through both let
+//!   exactly 5 in, and a kill frees a place at once.
 //!
 //! Not yet here (docs/cluster.md, "Not built yet"): blobs in S3, a pause on one node resumed
 //! on another, a lost node.
@@ -620,6 +622,57 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
     let (ok, _, err) = c.ember(1, &["code", &id1, "print(1)"]);
     assert!(!ok, "a killed sandbox still ran code");
     assert!(err.contains(&id1), "{err}");
+
+    // A quota holds across gateways: two gateways racing ten creates against a quota of 5
+    // let exactly 5 in; a kill frees a place at once.
+    for (id, _) in &ids[2..] {
+        c.ember_ok(1, &["sandbox", "kill", id]);
+    }
+    c.ember_ok(1, &["sandbox", "kill", &id0]);
+    run(Command::new(bin("ember")).args([
+        "cluster",
+        "quota",
+        "--db",
+        &c.db_url(),
+        "--max-sandboxes",
+        "5",
+    ]));
+    let racers: Vec<_> = (0..10u8)
+        .map(|k| {
+            let mut cmd = Command::new(bin("ember"));
+            cmd.args(["sandbox", "create"])
+                .env("EMBER_URL", c.gw_url(1 + k % 2))
+                .env("EMBER_TOKEN", c.token())
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    let mut admitted = Vec::new();
+    let mut refused = Vec::new();
+    for r in racers {
+        let out = r.wait_with_output().unwrap();
+        if out.status.success() {
+            admitted.push(String::from_utf8_lossy(&out.stdout).trim().to_string());
+        } else {
+            refused.push(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+    }
+    assert_eq!(
+        admitted.len(),
+        5,
+        "admitted {admitted:?}, refused {refused:?}\n{}",
+        c.logs()
+    );
+    for why in &refused {
+        assert!(why.contains("quota"), "{why}");
+    }
+    let (ok, _, err) = c.ember(2, &["sandbox", "create"]);
+    assert!(!ok && err.contains("quota"), "a sixth create: {err}");
+    c.ember_ok(2, &["sandbox", "kill", &admitted[0]]);
+    let sixth = c.ember_ok(1, &["sandbox", "create"]);
+    assert_eq!(sixth.trim().len(), 16, "{sixth}");
     eprintln!(
         "cluster scenario done in {:.1} s",
         t0.elapsed().as_secs_f64()

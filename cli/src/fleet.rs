@@ -82,6 +82,18 @@ pub enum ClusterCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Sets (or, with 0, removes) an API key's quota of live sandboxes, fleet-wide.
+    Quota {
+        /// The directory: a PostgreSQL URL.
+        #[arg(long, env = "EMBER_DB", value_name = "URL")]
+        db: String,
+        /// The API key (a gateway's clients are `default`).
+        #[arg(long, default_value = ember_fleet::gateway::API_KEY)]
+        key: String,
+        /// Most live (running or paused) sandboxes; 0 removes the quota.
+        #[arg(long, value_name = "N")]
+        max_sandboxes: u32,
+    },
 }
 
 fn labels(specs: &[String]) -> Result<serde_json::Value, String> {
@@ -249,6 +261,33 @@ pub fn cluster_main(c: ClusterCmd) -> ExitCode {
                 println!("(no node has registered)");
             }
             ExitCode::SUCCESS
+        }
+        ClusterCmd::Quota {
+            db,
+            key,
+            max_sandboxes,
+        } => {
+            let db = match Db::open(&db) {
+                Ok(db) => db,
+                Err(e) => return fail(e),
+            };
+            let n = match max_sandboxes {
+                0 => None,
+                n => match i32::try_from(n) {
+                    Ok(n) => Some(n),
+                    Err(_) => return fail(format!("--max-sandboxes {n}: too many")),
+                },
+            };
+            match db.set_quota(&key, n) {
+                Ok(()) => {
+                    match n {
+                        Some(n) => println!("API key {key:?}: at most {n} live sandboxes"),
+                        None => println!("API key {key:?}: no quota"),
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            }
         }
     }
 }

@@ -36,7 +36,23 @@ const MIGRATIONS: &[&str] = &[
         created_at TIMESTAMPTZ NOT NULL DEFAULT now()
     );
     CREATE INDEX sandboxes_node ON sandboxes (node);",
+    // 2: quotas per API key. A route is made before its create runs (`pending`, with no node
+    // yet), so that creates racing through several gateways count each other; `ended` is set
+    // by a kill through a gateway or by the node's heartbeat when it no longer runs it.
+    "ALTER TABLE sandboxes ALTER COLUMN node DROP NOT NULL;
+    ALTER TABLE sandboxes ADD COLUMN key TEXT NOT NULL DEFAULT 'default';
+    ALTER TABLE sandboxes ADD COLUMN pending BOOLEAN NOT NULL DEFAULT false;
+    ALTER TABLE sandboxes ADD COLUMN ended BOOLEAN NOT NULL DEFAULT false;
+    CREATE INDEX sandboxes_live ON sandboxes (key) WHERE NOT ended;
+    CREATE TABLE quotas (
+        key TEXT PRIMARY KEY,
+        max_sandboxes INTEGER NOT NULL
+    );",
 ];
+
+/// How long a reservation may wait for its create before it no longer counts (a gateway that
+/// died mid-create leaves one behind).
+const RESERVATION_TTL_SECS: f64 = 300.0;
 
 /// A key for `pg_advisory_xact_lock` (ember's migrations).
 const MIGRATION_LOCK: i64 = 0x656d_6265_7200_0001;
@@ -74,7 +90,7 @@ pub struct NodeStatus {
     pub epoch: i64,
     /// Seconds since its last heartbeat, by the database's clock.
     pub heartbeat_age_secs: f64,
-    /// Sandboxes routed to it.
+    /// Sandboxes routed to it that have not ended.
     pub sandboxes: i64,
     /// Sandboxes routed to it since shortly before its last heartbeat (which its `running`
     /// may not count yet): what placement adds to `running`, so that a burst of creates
@@ -158,22 +174,32 @@ impl Db {
         })
     }
 
-    /// A node's heartbeat: it is alive, runs `running` sandboxes and holds `templates`.
-    /// False when the node is not registered (any more).
+    /// A node's heartbeat: it is alive, runs `running` sandboxes, holds `templates`, and of
+    /// the sandboxes routed to it only `live` exist any more (the others are marked ended:
+    /// they count against no quota). False when the node is not registered (any more).
     pub fn heartbeat(
         &self,
         id: &str,
         running: i32,
         templates: &[String],
+        live: &[String],
     ) -> Result<bool, FleetError> {
         self.with(|c| {
-            let n = c
+            let mut tx = c.transaction().map_err(db_err("heartbeat"))?;
+            let n = tx
                 .execute(
                     "UPDATE nodes SET heartbeat_at = now(), running = $2, templates = $3
                      WHERE id = $1",
                     &[&id, &running, &serde_json::json!(templates)],
                 )
                 .map_err(db_err("heartbeat"))?;
+            tx.execute(
+                "UPDATE sandboxes SET ended = true
+                 WHERE node = $1 AND NOT ended AND NOT pending AND NOT (id = ANY($2))",
+                &[&id, &live],
+            )
+            .map_err(db_err("heartbeat: ended sandboxes"))?;
+            tx.commit().map_err(db_err("heartbeat: commit"))?;
             Ok(n == 1)
         })
     }
@@ -186,7 +212,7 @@ impl Db {
                     "SELECT n.id, n.addr, n.version, n.host_kind, n.cpu_profile, n.max_running,
                             n.running, n.labels, n.templates, n.epoch,
                             EXTRACT(EPOCH FROM (now() - n.heartbeat_at))::float8,
-                            (SELECT count(*) FROM sandboxes s WHERE s.node = n.id),
+                            (SELECT count(*) FROM sandboxes s WHERE s.node = n.id AND NOT s.ended),
                             (SELECT count(*) FROM sandboxes s WHERE s.node = n.id
                                AND s.created_at > n.heartbeat_at - interval '2 seconds')
                      FROM nodes n ORDER BY n.id",
@@ -218,15 +244,104 @@ impl Db {
         })
     }
 
-    /// Records that `node` holds `sandbox`.
+    /// Records that `node` holds `sandbox` (a fork's child: no quota check).
     pub fn put_route(&self, sandbox: &str, node: &str) -> Result<(), FleetError> {
         self.with(|c| {
             c.execute(
                 "INSERT INTO sandboxes (id, node) VALUES ($1, $2)
-                 ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node",
+                 ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node, ended = false",
                 &[&sandbox, &node],
             )
             .map_err(db_err("recording a sandbox's node"))?;
+            Ok(())
+        })
+    }
+
+    /// Reserves a place for one more sandbox of API key `key`: `Ok(Err(why))` when its quota
+    /// is reached. Gateways racing serialize on the key (an advisory lock), so N creates
+    /// against a quota of N − k leave exactly N − k in.
+    pub fn reserve(&self, key: &str) -> Result<Result<String, String>, FleetError> {
+        let resv = format!("pending-{:016x}{:016x}", rand_u64(), rand_u64());
+        self.with(|c| {
+            let mut tx = c.transaction().map_err(db_err("quota"))?;
+            tx.execute("SELECT pg_advisory_xact_lock(hashtext($1))", &[&key])
+                .map_err(db_err("quota: lock"))?;
+            let quota: Option<i32> = tx
+                .query_opt("SELECT max_sandboxes FROM quotas WHERE key = $1", &[&key])
+                .map_err(db_err("quota: read"))?
+                .map(|r| r.get(0));
+            if let Some(max) = quota {
+                let live: i64 = tx
+                    .query_one(
+                        "SELECT count(*) FROM sandboxes WHERE key = $1 AND NOT ended
+                         AND (NOT pending
+                              OR created_at > now() - make_interval(secs => $2))",
+                        &[&key, &RESERVATION_TTL_SECS],
+                    )
+                    .map_err(db_err("quota: count"))?
+                    .get(0);
+                if live >= i64::from(max) {
+                    return Ok(Err(format!(
+                        "quota: API key {key:?} has {live} live sandboxes, its quota is {max}"
+                    )));
+                }
+            }
+            tx.execute(
+                "INSERT INTO sandboxes (id, node, key, pending) VALUES ($1, NULL, $2, true)",
+                &[&resv, &key],
+            )
+            .map_err(db_err("quota: reserve"))?;
+            tx.commit().map_err(db_err("quota: commit"))?;
+            Ok(Ok(resv))
+        })
+    }
+
+    /// Turns reservation `resv` into the route of sandbox `id` on `node`.
+    pub fn confirm(&self, resv: &str, id: &str, node: &str) -> Result<(), FleetError> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE sandboxes SET id = $2, node = $3, pending = false, created_at = now()
+                 WHERE id = $1",
+                &[&resv, &id, &node],
+            )
+            .map_err(db_err("recording a created sandbox"))?;
+            Ok(())
+        })
+    }
+
+    /// Gives back reservation `resv` (its create failed).
+    pub fn release(&self, resv: &str) -> Result<(), FleetError> {
+        self.with(|c| {
+            c.execute("DELETE FROM sandboxes WHERE id = $1 AND pending", &[&resv])
+                .map_err(db_err("releasing a reservation"))?;
+            Ok(())
+        })
+    }
+
+    /// Marks `sandbox` ended (killed through a gateway).
+    pub fn mark_ended(&self, sandbox: &str) -> Result<(), FleetError> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE sandboxes SET ended = true WHERE id = $1",
+                &[&sandbox],
+            )
+            .map_err(db_err("marking a sandbox ended"))?;
+            Ok(())
+        })
+    }
+
+    /// Sets API key `key`'s quota of live sandboxes (`None`: no quota).
+    pub fn set_quota(&self, key: &str, max_sandboxes: Option<i32>) -> Result<(), FleetError> {
+        self.with(|c| {
+            match max_sandboxes {
+                Some(n) => c.execute(
+                    "INSERT INTO quotas (key, max_sandboxes) VALUES ($1, $2)
+                     ON CONFLICT (key) DO UPDATE SET max_sandboxes = EXCLUDED.max_sandboxes",
+                    &[&key, &n],
+                ),
+                None => c.execute("DELETE FROM quotas WHERE key = $1", &[&key]),
+            }
+            .map_err(db_err("setting a quota"))?;
             Ok(())
         })
     }
@@ -291,6 +406,22 @@ fn migrate(c: &mut Client) -> Result<(), FleetError> {
         .map_err(db_err("migrating: version update"))?;
     tx.commit().map_err(db_err("migrating: commit"))?;
     Ok(())
+}
+
+fn rand_u64() -> u64 {
+    use std::io::Read;
+    let mut b = [0u8; 8];
+    if std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .is_err()
+    {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        return t ^ u64::from(std::process::id()).rotate_left(32);
+    }
+    u64::from_le_bytes(b)
 }
 
 /// `url` without its password.

@@ -23,6 +23,10 @@ use ember_runtime::{RuntimeError, SandboxInfo};
 use crate::client::NodeClient;
 use crate::db::{Db, NodeStatus};
 
+/// The API key every client of a gateway is (one token per gateway fleet, for now): what
+/// quotas are kept for.
+pub const API_KEY: &str = "default";
+
 /// A node is live when its last heartbeat is this recent.
 pub const LIVE_WITHIN: Duration = Duration::from_secs(10);
 
@@ -138,17 +142,42 @@ impl Fleet {
             }
             (r, _) => r,
         };
-        if let (true, Ok(Reply::Fork(children))) = (fork, &r) {
-            for c in children {
-                self.remember(&c.id, &node)?;
+        match &r {
+            Ok(Reply::Fork(children)) if fork => {
+                for c in children {
+                    self.remember(&c.id, &node)?;
+                }
+            }
+            // Its place in its key's quota is free at once (the node's heartbeat would say
+            // so within a second anyway).
+            Ok(Reply::Kill(info)) => {
+                if let Err(e) = self.db.mark_ended(&info.id) {
+                    tracing::warn!("kill: {} not marked ended: {e}", info.id);
+                }
+            }
+            _ => {}
+        }
+        r
+    }
+
+    /// Places a create on a live node, trying the next on refusal, within the API key's
+    /// quota (a reservation in the directory first: gateways racing count each other).
+    fn create(&self, req: call::Create, io: Io<'_>) -> Result<Reply, RuntimeError> {
+        let _ = io;
+        let resv = match self.db.reserve(API_KEY).map_err(db_error)? {
+            Ok(r) => r,
+            Err(why) => return Err(RuntimeError::Capacity(why)),
+        };
+        let r = self.place(req, &resv);
+        if r.is_err() {
+            if let Err(e) = self.db.release(&resv) {
+                tracing::warn!("create: reservation {resv} not released: {e}");
             }
         }
         r
     }
 
-    /// Places a create on a live node, trying the next on refusal.
-    fn create(&self, req: call::Create, io: Io<'_>) -> Result<Reply, RuntimeError> {
-        let _ = io;
+    fn place(&self, req: call::Create, resv: &str) -> Result<Reply, RuntimeError> {
         let mut nodes = self.live_nodes()?;
         if nodes.is_empty() {
             return Err(RuntimeError::Capacity(
@@ -168,7 +197,10 @@ impl Fleet {
             let c = self.client(n);
             match c.handle(req.clone().into(), Io::none()) {
                 Ok(Reply::Create(info)) => {
-                    self.remember(&info.id, &n.node.id)?;
+                    self.db
+                        .confirm(resv, &info.id, &n.node.id)
+                        .map_err(db_error)?;
+                    lock(&self.routes).insert(info.id.clone(), n.node.id.clone());
                     return Ok(Reply::Create(info));
                 }
                 Ok(_) => {

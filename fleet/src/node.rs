@@ -312,14 +312,23 @@ pub fn record(cfg: &NodeConfig, rt: &Runtime) -> NodeRecord {
 }
 
 fn running(rt: &Runtime) -> i32 {
-    let filter = ember_runtime::ListFilter::default();
-    rt.list(&filter)
+    live(rt)
         .map(|l| {
             l.iter()
-                .filter(|s| !s.state.is_final() && s.state != ember_runtime::State::Paused)
+                .filter(|s| s.state != ember_runtime::State::Paused)
                 .count() as i32
         })
         .unwrap_or(0)
+}
+
+/// The sandboxes of this node that have not ended (running, paused, in between).
+fn live(rt: &Runtime) -> Result<Vec<ember_runtime::SandboxInfo>, ember_runtime::RuntimeError> {
+    let filter = ember_runtime::ListFilter::default();
+    Ok(rt
+        .list(&filter)?
+        .into_iter()
+        .filter(|s| !s.state.is_final())
+        .collect())
 }
 
 fn templates() -> Vec<String> {
@@ -344,15 +353,22 @@ pub fn start_heartbeat(
             let mut failing = false;
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(HEARTBEAT);
-                let r = db
-                    .heartbeat(&cfg.id, running(&rt), &templates())
-                    .and_then(|known| {
-                        if known {
-                            Ok(())
-                        } else {
-                            db.register(&record(&cfg, &rt)).map(drop)
-                        }
-                    });
+                // Only with a complete list may the directory mark the others ended.
+                let r = match live(&rt) {
+                    Ok(l) => {
+                        let ids: Vec<String> = l.into_iter().map(|s| s.id).collect();
+                        let running = running(&rt);
+                        db.heartbeat(&cfg.id, running, &templates(), &ids)
+                    }
+                    Err(e) => Err(FleetError::Io(format!("listing the sandboxes: {e}"))),
+                }
+                .and_then(|known| {
+                    if known {
+                        Ok(())
+                    } else {
+                        db.register(&record(&cfg, &rt)).map(drop)
+                    }
+                });
                 match (r, failing) {
                     (Ok(()), true) => {
                         tracing::info!("heartbeat: the directory answers again");
