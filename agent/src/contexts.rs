@@ -21,7 +21,7 @@
 //! order of output and results is kept.
 
 mod proc;
-mod sys;
+pub(crate) mod sys;
 
 use std::collections::BTreeMap;
 use std::io;

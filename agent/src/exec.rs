@@ -384,6 +384,9 @@ extern "C" fn exec_child(arg: *mut libc::c_void) -> libc::c_int {
             child_fail(args, STEP_SIGPIPE, errno());
         }
     }
+    // A program's time limit and interrupt are SIGINT first: it must not start with it
+    // ignored or blocked (see `reset_interrupt_signals`).
+    crate::contexts::sys::reset_interrupt_signals();
     if !args.cwd.is_null() {
         // SAFETY: `cwd` is a NUL-terminated string kept alive by the parent.
         if unsafe { libc::chdir(args.cwd) } != 0 {

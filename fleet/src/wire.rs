@@ -108,6 +108,9 @@ pub struct WireError {
     /// A guest error's code.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest: Option<ErrorCode>,
+    /// A guest error's call (`file_stat`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call: Option<String>,
 }
 
 impl WireError {
@@ -119,6 +122,7 @@ impl WireError {
             sandbox: None,
             state: None,
             guest: None,
+            call: None,
         };
         match e {
             RuntimeError::NotFound(id) => w.sandbox = Some(id.clone()),
@@ -128,10 +132,14 @@ impl WireError {
                 w.message = message.clone();
             }
             RuntimeError::Guest {
-                id, code, message, ..
+                id,
+                call,
+                code,
+                message,
             } => {
                 w.sandbox = Some(id.clone());
                 w.guest = Some(*code);
+                w.call = Some(call.to_string());
                 w.message = message.clone();
             }
             RuntimeError::Timeout { id, message } => {
@@ -174,7 +182,7 @@ impl WireError {
             _ => match self.guest {
                 Some(code) => RuntimeError::Guest {
                     id,
-                    call: "remote",
+                    call: call_name(self.call.as_deref()),
                     code,
                     message: self.message,
                 },
@@ -183,6 +191,34 @@ impl WireError {
         }
     }
 }
+
+/// A guest call's name as a `&'static str` (what `RuntimeError::Guest` holds): interned, at
+/// most [`MAX_CALL_NAMES`] of them (a node is trusted, but a bug must not grow the gateway
+/// without bound); others read `remote`.
+fn call_name(name: Option<&str>) -> &'static str {
+    use std::collections::HashSet;
+    use std::sync::{Mutex, OnceLock};
+    static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
+    let Some(name) = name.filter(|n| n.len() <= 64) else {
+        return "remote";
+    };
+    let mut names = NAMES
+        .get_or_init(|| Mutex::new(HashSet::new()))
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(n) = names.get(name) {
+        return n;
+    }
+    if names.len() >= MAX_CALL_NAMES {
+        return "remote";
+    }
+    let leaked: &'static str = Box::leak(name.to_string().into_boxed_str());
+    names.insert(leaked);
+    leaked
+}
+
+/// Most distinct guest call names [`call_name`] keeps.
+const MAX_CALL_NAMES: usize = 256;
 
 /// A sandbox state's name as the runtime spells it (`&'static`).
 fn state_name(s: Option<&str>) -> &'static str {

@@ -190,6 +190,7 @@ extern "C" fn spawn_child(arg: *mut libc::c_void) -> libc::c_int {
         // SAFETY: restores the default action of one signal; no handler runs in this child.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
+    reset_interrupt_signals();
     if !args.cwd.is_null() {
         // SAFETY: `cwd` is a NUL-terminated string kept alive by the parent.
         if unsafe { libc::chdir(args.cwd) } != 0 {
@@ -200,6 +201,24 @@ extern "C" fn spawn_child(arg: *mut libc::c_void) -> libc::c_int {
     // them, kept alive by the suspended parent. execve only returns on failure.
     unsafe { libc::execve(args.program, args.argv, args.envp) };
     child_fail(args, STEP_EXEC)
+}
+
+/// Gives a child about to exec the default actions of SIGINT and SIGQUIT and an empty signal
+/// mask. Both are inherited across exec: a context started while its parent ignored SIGINT
+/// (a process started in the background by a non-interactive shell does, as a CI job may be)
+/// could never be interrupted (bash cannot trap a signal ignored at its start), and one
+/// started from a thread that blocks signals would hold them pending forever.
+pub fn reset_interrupt_signals() {
+    // SAFETY: restores a default action (no handler runs in this child); no memory effects.
+    unsafe { libc::signal(libc::SIGINT, libc::SIG_DFL) };
+    // SAFETY: as above.
+    unsafe { libc::signal(libc::SIGQUIT, libc::SIG_DFL) };
+    // SAFETY: an all-zero sigset_t is a valid value for sigemptyset to initialise.
+    let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `empty` is a live sigset_t on this stack.
+    unsafe { libc::sigemptyset(&mut empty) };
+    // SAFETY: sets this thread's mask from a valid set; the old mask is not asked for.
+    unsafe { libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut()) };
 }
 
 /// A process started by [`spawn`]: it leads its own session and process group.
@@ -383,6 +402,54 @@ mod tests {
         let mut out = [0u8; 2];
         r.read_exact(&mut out).unwrap();
         assert_eq!(&out, b"hi");
+    }
+
+    #[test]
+    fn children_start_with_interrupts_unblocked_whatever_the_spawning_thread_blocks() {
+        // Block SIGINT in a thread of our own (the mask is per thread) and spawn from it.
+        let status = std::thread::spawn(|| {
+            // SAFETY: an all-zero sigset_t is a valid value for sigemptyset to initialise.
+            let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+            // SAFETY: `set` is a live sigset_t on this stack.
+            unsafe { libc::sigemptyset(&mut set) };
+            // SAFETY: as above.
+            unsafe { libc::sigaddset(&mut set, libc::SIGINT) };
+            // SAFETY: changes only this thread's mask, from a valid set.
+            unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+            let (mut r, w) = pipe().unwrap();
+            let null = open_devnull().unwrap();
+            let started = spawn(
+                &["/bin/cat".into(), "/proc/self/status".into()],
+                &[],
+                None,
+                [
+                    null.as_raw_fd(),
+                    w.as_raw_fd(),
+                    null.as_raw_fd(),
+                    null.as_raw_fd(),
+                ],
+                true,
+                &Children::Direct,
+            )
+            .unwrap();
+            drop(w);
+            let mut out = String::new();
+            r.read_to_string(&mut out).unwrap();
+            let _ = Children::Direct.wait(started.pid);
+            out
+        })
+        .join()
+        .unwrap();
+        let field = |name: &str| {
+            let line = status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .unwrap_or_else(|| panic!("no {name} in {status}"));
+            u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
+        };
+        let sigint = 1u64 << (libc::SIGINT - 1);
+        assert_eq!(field("SigBlk:") & sigint, 0, "SIGINT blocked in the child");
+        assert_eq!(field("SigIgn:") & sigint, 0, "SIGINT ignored in the child");
     }
 
     #[test]
