@@ -144,3 +144,179 @@ fn finish(body: &mut dyn Read) {
     let mut rest = [0u8; 64];
     while matches!(body.read(&mut rest), Ok(n) if n > 0) {}
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ember_runtime::call::{self, Cancel, Reply};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    /// A node's runtime stand-in: a few calls, each exercising one part of the wire.
+    #[derive(Default)]
+    struct Fake {
+        cancelled: AtomicBool,
+    }
+
+    impl Handler for Fake {
+        fn handle(&self, req: Request, io: Io<'_>) -> Result<Reply, RuntimeError> {
+            match req {
+                Request::RunCode(_) => {
+                    let sink = io.events.expect("events");
+                    for text in ["a\n", "b\n"] {
+                        let ev = EventKind::Stdout {
+                            data: text.as_bytes().to_vec(),
+                        };
+                        assert!(sink(&ev));
+                    }
+                    Ok(Reply::RunCode(ember_runtime::RunEnd {
+                        status: call::EndStatus::Ok,
+                        execution_count: Some(1),
+                        duration_ms: Some(1),
+                    }))
+                }
+                Request::WriteFile(_) => {
+                    let mut n = 0u64;
+                    let input = io.input.expect("input");
+                    let mut buf = [0u8; 4096];
+                    loop {
+                        let k = input.read(&mut buf).unwrap();
+                        if k == 0 {
+                            break;
+                        }
+                        n += k as u64;
+                    }
+                    Ok(Reply::WriteFile(n))
+                }
+                Request::ReadFile(_) => {
+                    let out = io.output.expect("output");
+                    let data: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+                    out.write_all(&data).unwrap();
+                    Ok(Reply::ReadFile(data.len() as u64))
+                }
+                Request::ProcessAttach(_) => {
+                    // Silent until cancelled (a quiet process).
+                    let cancel = io.cancel.expect("cancel");
+                    let t0 = Instant::now();
+                    while !cancel.fired() && t0.elapsed() < Duration::from_secs(20) {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    self.cancelled.store(cancel.fired(), Ordering::SeqCst);
+                    Err(RuntimeError::Cancelled("attach: cancelled".into()))
+                }
+                Request::Get(g) => Err(RuntimeError::NotFound(g.id)),
+                other => Err(RuntimeError::Internal(format!("fake: {}", other.name()))),
+            }
+        }
+    }
+
+    /// Serves `fake` as a node's internal API on a loopback port; answers its address.
+    fn serve(fake: Arc<Fake>) -> String {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                tx.send(l.local_addr().unwrap().to_string()).unwrap();
+                let app = crate::node::router(fake, "tok".into());
+                axum::serve(l, app).await.unwrap();
+            });
+        });
+        rx.recv().unwrap()
+    }
+
+    #[test]
+    fn calls_cross_the_wire_with_their_streams_errors_and_cancellation() {
+        let fake = Arc::new(Fake::default());
+        let addr = serve(fake.clone());
+        let c = NodeClient::new("n1", &addr, "tok");
+
+        // Events in order, then the reply.
+        let mut seen = Vec::new();
+        let mut sink = |ev: &EventKind| {
+            if let EventKind::Stdout { data } = ev {
+                seen.push(String::from_utf8_lossy(data).into_owned());
+            }
+            true
+        };
+        let req = call::RunCode {
+            id: "sb".into(),
+            req: Default::default(),
+        };
+        let r = c.handle(req.into(), Io::events(&mut sink)).unwrap();
+        assert!(matches!(r, Reply::RunCode(_)));
+        assert_eq!(seen, ["a\n", "b\n"]);
+
+        // Input after the request, to its end.
+        let data = vec![7u8; 1 << 20];
+        let mut input = &data[..];
+        let req = call::WriteFile {
+            id: "sb".into(),
+            path: "/x".into(),
+            user: Default::default(),
+        };
+        let r = c.handle(req.into(), Io::input(&mut input)).unwrap();
+        assert!(matches!(r, Reply::WriteFile(n) if n == 1 << 20));
+
+        // Output bytes in frames, intact.
+        let mut out = Vec::new();
+        let req = call::ReadFile {
+            id: "sb".into(),
+            path: "/x".into(),
+        };
+        let r = c.handle(req.into(), Io::output(&mut out)).unwrap();
+        assert!(matches!(r, Reply::ReadFile(300_000)));
+        assert!(out.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
+
+        // Errors keep their kind.
+        let e = c
+            .handle(call::Get { id: "gone".into() }.into(), Io::none())
+            .unwrap_err();
+        assert!(
+            matches!(e, RuntimeError::NotFound(ref id) if id == "gone"),
+            "{e}"
+        );
+
+        // A caller's cancel reaches the node's call (at the next keepalive at the latest).
+        let cancel = Cancel::new();
+        let fire = cancel.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            fire.fire();
+        });
+        let t0 = Instant::now();
+        let req = call::ProcessAttach {
+            id: "sb".into(),
+            pid: 7,
+        };
+        let e = c
+            .handle(req.into(), Io::none().with_cancel(cancel))
+            .unwrap_err();
+        assert!(matches!(e, RuntimeError::Cancelled(_)), "{e}");
+        assert!(
+            t0.elapsed() < crate::wire::KEEPALIVE * 2,
+            "{:?}",
+            t0.elapsed()
+        );
+        let t1 = Instant::now();
+        while !fake.cancelled.load(Ordering::SeqCst) && t1.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(
+            fake.cancelled.load(Ordering::SeqCst),
+            "the node's call was not cancelled"
+        );
+
+        // The node token is required.
+        let wrong = NodeClient::new("n1", &addr, "nope");
+        let e = wrong
+            .handle(call::Get { id: "x".into() }.into(), Io::none())
+            .unwrap_err();
+        assert!(e.to_string().contains("401"), "{e}");
+    }
+}
