@@ -21,7 +21,7 @@
 //! order of output and results is kept.
 
 mod proc;
-pub(crate) mod sys;
+mod sys;
 
 use std::collections::BTreeMap;
 use std::io;

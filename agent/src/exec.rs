@@ -329,6 +329,24 @@ fn errno() -> i32 {
         .unwrap_or(libc::EIO)
 }
 
+/// Gives a child about to exec the default actions of SIGINT and SIGQUIT and an empty signal
+/// mask. Both are inherited across exec: a context started while its parent ignored SIGINT
+/// (a process started in the background by a non-interactive shell does, as a CI job may be)
+/// could never be interrupted (bash cannot trap a signal ignored at its start), and one
+/// started from a thread that blocks signals would hold them pending forever.
+pub(crate) fn reset_interrupt_signals() {
+    // SAFETY: restores a default action (no handler runs in this child); no memory effects.
+    unsafe { libc::signal(libc::SIGINT, libc::SIG_DFL) };
+    // SAFETY: as above.
+    unsafe { libc::signal(libc::SIGQUIT, libc::SIG_DFL) };
+    // SAFETY: an all-zero sigset_t is a valid value for sigemptyset to initialise.
+    let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `empty` is a live sigset_t on this stack.
+    unsafe { libc::sigemptyset(&mut empty) };
+    // SAFETY: sets this thread's mask from a valid set; the old mask is not asked for.
+    unsafe { libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut()) };
+}
+
 fn child_fail(args: &ChildArgs<'_>, step: i32, errno: i32) -> ! {
     args.failed_errno.store(errno, Ordering::Relaxed);
     args.failed_step.store(step, Ordering::Relaxed);
@@ -386,7 +404,7 @@ extern "C" fn exec_child(arg: *mut libc::c_void) -> libc::c_int {
     }
     // A program's time limit and interrupt are SIGINT first: it must not start with it
     // ignored or blocked (see `reset_interrupt_signals`).
-    crate::contexts::sys::reset_interrupt_signals();
+    reset_interrupt_signals();
     if !args.cwd.is_null() {
         // SAFETY: `cwd` is a NUL-terminated string kept alive by the parent.
         if unsafe { libc::chdir(args.cwd) } != 0 {

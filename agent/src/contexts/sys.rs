@@ -190,7 +190,7 @@ extern "C" fn spawn_child(arg: *mut libc::c_void) -> libc::c_int {
         // SAFETY: restores the default action of one signal; no handler runs in this child.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
-    reset_interrupt_signals();
+    crate::exec::reset_interrupt_signals();
     if !args.cwd.is_null() {
         // SAFETY: `cwd` is a NUL-terminated string kept alive by the parent.
         if unsafe { libc::chdir(args.cwd) } != 0 {
@@ -201,24 +201,6 @@ extern "C" fn spawn_child(arg: *mut libc::c_void) -> libc::c_int {
     // them, kept alive by the suspended parent. execve only returns on failure.
     unsafe { libc::execve(args.program, args.argv, args.envp) };
     child_fail(args, STEP_EXEC)
-}
-
-/// Gives a child about to exec the default actions of SIGINT and SIGQUIT and an empty signal
-/// mask. Both are inherited across exec: a context started while its parent ignored SIGINT
-/// (a process started in the background by a non-interactive shell does, as a CI job may be)
-/// could never be interrupted (bash cannot trap a signal ignored at its start), and one
-/// started from a thread that blocks signals would hold them pending forever.
-pub fn reset_interrupt_signals() {
-    // SAFETY: restores a default action (no handler runs in this child); no memory effects.
-    unsafe { libc::signal(libc::SIGINT, libc::SIG_DFL) };
-    // SAFETY: as above.
-    unsafe { libc::signal(libc::SIGQUIT, libc::SIG_DFL) };
-    // SAFETY: an all-zero sigset_t is a valid value for sigemptyset to initialise.
-    let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `empty` is a live sigset_t on this stack.
-    unsafe { libc::sigemptyset(&mut empty) };
-    // SAFETY: sets this thread's mask from a valid set; the old mask is not asked for.
-    unsafe { libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut()) };
 }
 
 /// A process started by [`spawn`]: it leads its own session and process group.
@@ -433,9 +415,11 @@ mod tests {
             )
             .unwrap();
             drop(w);
+            // The read end is non-blocking: let the child finish first (its output fits in
+            // the pipe).
+            let _ = Children::Direct.wait(started.pid);
             let mut out = String::new();
             r.read_to_string(&mut out).unwrap();
-            let _ = Children::Direct.wait(started.pid);
             out
         })
         .join()
