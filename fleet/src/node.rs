@@ -185,7 +185,7 @@ fn run(
         Ok(json) => send(kind::EVENT, &json),
         Err(_) => true,
     };
-    let mut reader = input.map(ChannelInput::new);
+    let mut reader = input.map(ember_server::stream::ChannelReader::new);
     let mut out = FrameWriter { tx, gone: false };
     let mut io = Io::events(&mut on_event).with_cancel(cancel);
     if let Some(r) = reader.as_mut() {
@@ -212,40 +212,6 @@ fn run(
         ),
     };
     send(k, &payload);
-}
-
-/// A blocking reader over the body chunks after the request.
-struct ChannelInput {
-    rx: mpsc::Receiver<std::io::Result<Bytes>>,
-    cur: Bytes,
-}
-
-impl ChannelInput {
-    fn new(rx: mpsc::Receiver<std::io::Result<Bytes>>) -> Self {
-        ChannelInput {
-            rx,
-            cur: Bytes::new(),
-        }
-    }
-}
-
-impl std::io::Read for ChannelInput {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        if buf.is_empty() {
-            return Ok(0);
-        }
-        while self.cur.is_empty() {
-            match self.rx.blocking_recv() {
-                Some(Ok(b)) => self.cur = b,
-                Some(Err(e)) => return Err(e),
-                None => return Ok(0),
-            }
-        }
-        let n = buf.len().min(self.cur.len());
-        buf[..n].copy_from_slice(&self.cur[..n]);
-        self.cur = self.cur.slice(n..);
-        Ok(n)
-    }
 }
 
 /// Output bytes as `D` frames (64 KiB at most each, as they are written).
