@@ -59,7 +59,7 @@ fi
 # --- Pinned client libraries (they need python3-venv and npm from above); their EMBER_* lines
 # are kept for the end, anything else they print on stdout goes to stderr.
 if $clients; then
-    for script in scripts/e2b-sdks.sh scripts/browser-clients.sh; do
+    for script in scripts/e2b-sdks.sh scripts/browser-clients.sh scripts/s3-server.sh; do
         if out=$(bash "$script"); then
             while IFS= read -r line; do
                 if [[ $line =~ ^EMBER_[A-Z0-9_]+= ]]; then

@@ -38,6 +38,17 @@ pub struct NodeArgs {
     /// A label of the node (`key=value`, repeatable).
     #[arg(long = "label", value_name = "KEY=VALUE")]
     pub labels: Vec<String>,
+    /// The fleet's blob store, where templates and paused sandboxes go so that other nodes
+    /// can restore them: `s3://BUCKET/PREFIX` (endpoint, region and credentials from
+    /// AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) or
+    /// `file:///DIR`. Without it, templates are built on each node and a paused sandbox
+    /// resumes only where it was paused.
+    #[arg(long, env = "EMBER_BLOBS", value_name = "URL")]
+    pub blobs: Option<String>,
+    /// With --blobs: the templates this node publishes when it starts (repeatable; default:
+    /// every named template it has that the store lacks).
+    #[arg(long = "publish", value_name = "TEMPLATE", requires = "blobs")]
+    pub publish: Vec<String>,
     /// The node's own server (its runtime's HTTP API, for its operator).
     #[command(flatten)]
     pub serve: ServeArgs,
@@ -94,6 +105,22 @@ pub enum ClusterCmd {
         #[arg(long, value_name = "N")]
         max_sandboxes: u32,
     },
+    /// Drains a node: it takes no more creates and pauses its sandboxes; each, once uploaded
+    /// to the blob store, continues on another node at its next call. The node's next start
+    /// takes work again.
+    Drain {
+        /// The directory: a PostgreSQL URL.
+        #[arg(long, env = "EMBER_DB", value_name = "URL")]
+        db: String,
+        /// Wait until every sandbox of the node can continue elsewhere.
+        #[arg(long)]
+        wait: bool,
+        /// With --wait: give up after this long, seconds (exit status 1).
+        #[arg(long, value_name = "SECS", default_value_t = 280)]
+        timeout: u64,
+        /// The node.
+        node: String,
+    },
 }
 
 fn labels(specs: &[String]) -> Result<serde_json::Value, String> {
@@ -140,12 +167,37 @@ pub fn node_main(a: NodeArgs) -> ExitCode {
             .unwrap_or_else(|| a.internal_listen.to_string()),
         labels,
     };
+    let blobs = match a.blobs.as_deref().map(ember_fleet::blobs::Blobs::open) {
+        None => None,
+        Some(Ok(b)) => Some(Arc::new(b)),
+        Some(Err(e)) => return fail(e),
+    };
+    let hooks = match ember_fleet::transfer::NodeHooks::start(db.clone(), &cfg.id, blobs.clone()) {
+        Ok(h) => h,
+        Err(e) => return fail(e),
+    };
+    let (stop_db, stop_id) = (db.clone(), cfg.id.clone());
+    let publish = a.publish.clone();
     let internal = a.internal_listen;
     let start: crate::serve::NodeStart = Box::new(move |tokio, rt| {
+        rt.set_hooks(hooks.clone());
+        let mover = blobs.clone().map(|b| {
+            Arc::new(ember_fleet::node::Mover {
+                rt: rt.clone(),
+                blobs: b,
+                db: db.clone(),
+                node: cfg.id.clone(),
+                hooks: hooks.clone(),
+            })
+        });
         let listener = tokio
             .block_on(tokio::net::TcpListener::bind(internal))
             .map_err(|e| format!("--internal-listen {internal}: {e}"))?;
-        let app = ember_fleet::node::router(Arc::new(rt.clone()), token);
+        let handler = ember_fleet::node::NodeRuntime {
+            rt: rt.clone(),
+            blobs: blobs.clone(),
+        };
+        let app = ember_fleet::node::router(Arc::new(handler), token, mover);
         // Frames are small and written one by one: no Nagle delay between them.
         let listener = axum::serve::ListenerExt::tap_io(listener, |s| {
             if let Err(e) = s.set_nodelay(true) {
@@ -162,8 +214,22 @@ pub fn node_main(a: NodeArgs) -> ExitCode {
             cfg.clone(),
             rt.clone(),
             Arc::new(AtomicBool::new(false)),
+            Some(hooks.clone()),
         )
         .map_err(|e| e.to_string())?;
+        // Its templates go to the blob store, and pauses a previous run left un-uploaded.
+        if let Some(b) = blobs.clone() {
+            let (rt, hooks) = (rt.clone(), hooks.clone());
+            let spawned = std::thread::Builder::new()
+                .name("ember-publish".into())
+                .spawn(move || {
+                    ember_fleet::transfer::publish_all(&b, &publish);
+                    hooks.resume_uploads(&rt);
+                });
+            if let Err(e) = spawned {
+                tracing::warn!("templates not published: {e}");
+            }
+        }
         eprintln!(
             "ember: node {} registered (epoch {epoch}); internal API on {internal}, advertised \
              as {}",
@@ -171,7 +237,12 @@ pub fn node_main(a: NodeArgs) -> ExitCode {
         );
         Ok(())
     });
-    crate::serve::run(a.serve, Some(start))
+    let code = crate::serve::run(a.serve, Some(start));
+    // Gateways stop sending it calls at once (rather than after the heartbeat's silence).
+    if let Err(e) = stop_db.set_stopped(&stop_id) {
+        tracing::warn!("the directory was not told this node stopped: {e}");
+    }
+    code
 }
 
 /// Runs `ember gateway`.
@@ -249,7 +320,13 @@ pub fn cluster_main(c: ClusterCmd) -> ExitCode {
                     "{:<16} {:<22} {:<6} {:>8.1}s {:>4}/{:<3} {:>9}  {}",
                     n.node.id,
                     n.node.addr,
-                    if live { "yes" } else { "LOST" },
+                    if n.status == "stopped" {
+                        "STOPPED"
+                    } else if live {
+                        "yes"
+                    } else {
+                        "LOST"
+                    },
                     n.heartbeat_age_secs,
                     n.node.running,
                     n.node.max_running,
@@ -261,6 +338,53 @@ pub fn cluster_main(c: ClusterCmd) -> ExitCode {
                 println!("(no node has registered)");
             }
             ExitCode::SUCCESS
+        }
+        ClusterCmd::Drain {
+            db,
+            wait,
+            timeout,
+            node,
+        } => {
+            let db = match Db::open(&db) {
+                Ok(db) => db,
+                Err(e) => return fail(e),
+            };
+            match db.set_draining(&node) {
+                Ok(true) => eprintln!("ember: node {node} is draining"),
+                Ok(false) => return fail(format!("node {node} is not registered")),
+                Err(e) => return fail(e),
+            }
+            if !wait {
+                return ExitCode::SUCCESS;
+            }
+            let t0 = std::time::Instant::now();
+            let mut last = -1;
+            loop {
+                match db.unmovable(&node) {
+                    Ok(0) => {
+                        eprintln!(
+                            "ember: node {node} drained in {:.1} s: every sandbox can continue                              on another node",
+                            t0.elapsed().as_secs_f64()
+                        );
+                        return ExitCode::SUCCESS;
+                    }
+                    Ok(n) => {
+                        if n != last {
+                            eprintln!(
+                                "ember: node {node}: {n} sandbox(es) still to pause and upload"
+                            );
+                            last = n;
+                        }
+                    }
+                    Err(e) => eprintln!("ember: {e} (retrying)"),
+                }
+                if t0.elapsed() > Duration::from_secs(timeout) {
+                    return fail(format!(
+                        "node {node}: not drained after {timeout} s ({last} sandbox(es) left)"
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(250));
+            }
         }
         ClusterCmd::Quota {
             db,

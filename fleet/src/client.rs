@@ -45,6 +45,30 @@ impl NodeClient {
         }
     }
 
+    /// Asks the node to take in paused sandbox `r.id` from its upload (the blob store).
+    pub fn adopt(
+        &self,
+        r: &crate::node::AdoptRequest,
+    ) -> Result<crate::node::AdoptReply, RuntimeError> {
+        let url = self.url.replace("/internal/v1/call", "/internal/v1/adopt");
+        let resp = self
+            .agent
+            .post(&url)
+            .set("authorization", &format!("Bearer {}", self.token))
+            .send_json(r);
+        match resp {
+            Ok(r) => r
+                .into_json()
+                .map_err(|e| self.lost(format!("its answer to a move: {e}"))),
+            Err(ureq::Error::Status(_, r)) => Err(RuntimeError::Unreachable(format!(
+                "node {} did not take sandbox in: {}",
+                self.node,
+                r.into_string().unwrap_or_default()
+            ))),
+            Err(e) => Err(self.lost(e)),
+        }
+    }
+
     fn lost(&self, what: impl std::fmt::Display) -> RuntimeError {
         RuntimeError::Unreachable(format!("node {}: {what}", self.node))
     }

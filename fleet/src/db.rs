@@ -48,7 +48,22 @@ const MIGRATIONS: &[&str] = &[
         key TEXT PRIMARY KEY,
         max_sandboxes INTEGER NOT NULL
     );",
+    // 3: sandboxes that move. A node records each pause (`state`, `pause_gen` bumped) and,
+    // once its snapshot is uploaded, the bundle (`blob`); a resume clears it. Only a paused
+    // sandbox with a blob may continue on another node (`adopt`, a compare-and-set on its
+    // node, blob and generation). `updated_at`: when it was created or moved, so that a
+    // heartbeat listed just before cannot mark it ended. A node that stops says so (`status`).
+    "ALTER TABLE sandboxes ADD COLUMN state TEXT NOT NULL DEFAULT 'running';
+    ALTER TABLE sandboxes ADD COLUMN blob TEXT;
+    ALTER TABLE sandboxes ADD COLUMN pause_gen BIGINT NOT NULL DEFAULT 0;
+    ALTER TABLE sandboxes ADD COLUMN template TEXT;
+    ALTER TABLE sandboxes ADD COLUMN updated_at TIMESTAMPTZ NOT NULL DEFAULT now();
+    ALTER TABLE nodes ADD COLUMN status TEXT NOT NULL DEFAULT 'up';",
 ];
+
+/// How a heartbeat's list is trusted: a sandbox created or moved this recently is not marked
+/// ended for missing from it (the list may have been taken before it arrived).
+const SETTLE_SECS: f64 = 5.0;
 
 /// How long a reservation may wait for its create before it no longer counts (a gateway that
 /// died mid-create leaves one behind).
@@ -96,6 +111,35 @@ pub struct NodeStatus {
     /// may not count yet): what placement adds to `running`, so that a burst of creates
     /// through several gateways spreads.
     pub placed_recently: i64,
+    /// `up`, or `stopped` (it said so as it exited).
+    pub status: String,
+}
+
+/// What a heartbeat learnt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Heartbeat {
+    /// The directory knew the node (else it registers again).
+    pub known: bool,
+    /// The node is being drained: it pauses what runs (uploads follow) and takes no creates.
+    pub draining: bool,
+    /// Sandboxes the node listed that the directory gives to another node: they moved while
+    /// the node was away, and the node must drop its copies.
+    pub elsewhere: Vec<String>,
+}
+
+/// A sandbox as the directory knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxRoute {
+    /// Its node.
+    pub node: Option<String>,
+    /// `running` or `paused`, as its node last recorded.
+    pub state: String,
+    /// Its uploaded pause snapshot (a bundle), when paused and uploaded.
+    pub blob: Option<String>,
+    /// Ended.
+    pub ended: bool,
+    /// Its template.
+    pub template: Option<String>,
 }
 
 /// A connection to the directory (one client, serialized: calls are short).
@@ -155,7 +199,8 @@ impl Db {
                         host_kind = EXCLUDED.host_kind, cpu_profile = EXCLUDED.cpu_profile,
                         max_running = EXCLUDED.max_running, running = EXCLUDED.running,
                         labels = EXCLUDED.labels, templates = EXCLUDED.templates,
-                        epoch = nodes.epoch + 1, registered_at = now(), heartbeat_at = now()
+                        epoch = nodes.epoch + 1, registered_at = now(), heartbeat_at = now(),
+                        status = 'up'
                      RETURNING epoch",
                     &[
                         &n.id,
@@ -183,24 +228,41 @@ impl Db {
         running: i32,
         templates: &[String],
         live: &[String],
-    ) -> Result<bool, FleetError> {
+    ) -> Result<Heartbeat, FleetError> {
         self.with(|c| {
             let mut tx = c.transaction().map_err(db_err("heartbeat"))?;
-            let n = tx
-                .execute(
+            let status: Option<String> = tx
+                .query_opt(
                     "UPDATE nodes SET heartbeat_at = now(), running = $2, templates = $3
-                     WHERE id = $1",
+                     WHERE id = $1 RETURNING status",
                     &[&id, &running, &serde_json::json!(templates)],
                 )
-                .map_err(db_err("heartbeat"))?;
+                .map_err(db_err("heartbeat"))?
+                .map(|r| r.get(0));
             tx.execute(
                 "UPDATE sandboxes SET ended = true
-                 WHERE node = $1 AND NOT ended AND NOT pending AND NOT (id = ANY($2))",
-                &[&id, &live],
+                 WHERE node = $1 AND NOT ended AND NOT pending AND NOT (id = ANY($2))
+                   AND updated_at < now() - make_interval(secs => $3)",
+                &[&id, &live, &SETTLE_SECS],
             )
             .map_err(db_err("heartbeat: ended sandboxes"))?;
+            let elsewhere = tx
+                .query(
+                    "SELECT id FROM sandboxes
+                     WHERE id = ANY($2) AND node IS DISTINCT FROM $1 AND NOT pending
+                       AND updated_at < now() - make_interval(secs => $3)",
+                    &[&id, &live, &SETTLE_SECS],
+                )
+                .map_err(db_err("heartbeat: moved sandboxes"))?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
             tx.commit().map_err(db_err("heartbeat: commit"))?;
-            Ok(n == 1)
+            Ok(Heartbeat {
+                known: status.is_some(),
+                draining: status.as_deref() == Some("draining"),
+                elsewhere,
+            })
         })
     }
 
@@ -214,7 +276,8 @@ impl Db {
                             EXTRACT(EPOCH FROM (now() - n.heartbeat_at))::float8,
                             (SELECT count(*) FROM sandboxes s WHERE s.node = n.id AND NOT s.ended),
                             (SELECT count(*) FROM sandboxes s WHERE s.node = n.id
-                               AND s.created_at > n.heartbeat_at - interval '2 seconds')
+                               AND s.created_at > n.heartbeat_at - interval '2 seconds'),
+                            n.status
                      FROM nodes n ORDER BY n.id",
                     &[],
                 )
@@ -238,6 +301,7 @@ impl Db {
                         heartbeat_age_secs: r.get(10),
                         sandboxes: r.get(11),
                         placed_recently: r.get(12),
+                        status: r.get(13),
                     })
                 })
                 .collect()
@@ -249,7 +313,8 @@ impl Db {
         self.with(|c| {
             c.execute(
                 "INSERT INTO sandboxes (id, node) VALUES ($1, $2)
-                 ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node, ended = false",
+                 ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node, ended = false,
+                    updated_at = now()",
                 &[&sandbox, &node],
             )
             .map_err(db_err("recording a sandbox's node"))?;
@@ -300,7 +365,8 @@ impl Db {
     pub fn confirm(&self, resv: &str, id: &str, node: &str) -> Result<(), FleetError> {
         self.with(|c| {
             c.execute(
-                "UPDATE sandboxes SET id = $2, node = $3, pending = false, created_at = now()
+                "UPDATE sandboxes SET id = $2, node = $3, pending = false, created_at = now(),
+                        updated_at = now()
                  WHERE id = $1",
                 &[&resv, &id, &node],
             )
@@ -357,6 +423,169 @@ impl Db {
     }
 
     /// Statements a test or a figure may count: the server's total so far.
+    /// Records that `node` paused `sandbox` (its earlier upload, if any, no longer
+    /// counts); the new pause generation, or `None` when the directory does not give the
+    /// sandbox to `node` (made through the node's own API, or moved).
+    pub fn set_paused(&self, sandbox: &str, node: &str) -> Result<Option<i64>, FleetError> {
+        self.with(|c| {
+            let row = c
+                .query_opt(
+                    "UPDATE sandboxes SET state = 'paused', blob = NULL,
+                        pause_gen = pause_gen + 1
+                     WHERE id = $1 AND node = $2 AND NOT ended RETURNING pause_gen",
+                    &[&sandbox, &node],
+                )
+                .map_err(db_err("recording a pause"))?;
+            Ok(row.map(|r| r.get(0)))
+        })
+    }
+
+    /// Records the uploaded snapshot of pause `gen` (false when the sandbox resumed, moved or
+    /// paused again since).
+    pub fn set_uploaded(
+        &self,
+        sandbox: &str,
+        node: &str,
+        gen: i64,
+        blob: &str,
+    ) -> Result<bool, FleetError> {
+        self.with(|c| {
+            let n = c
+                .execute(
+                    "UPDATE sandboxes SET blob = $4
+                     WHERE id = $1 AND node = $2 AND pause_gen = $3 AND state = 'paused'
+                       AND NOT ended",
+                    &[&sandbox, &node, &gen, &blob],
+                )
+                .map_err(db_err("recording an upload"))?;
+            Ok(n == 1)
+        })
+    }
+
+    /// A paused sandbox of `node` that has no uploaded snapshot: its pause generation.
+    pub fn pending_upload(&self, sandbox: &str, node: &str) -> Result<Option<i64>, FleetError> {
+        self.with(|c| {
+            let row = c
+                .query_opt(
+                    "SELECT pause_gen FROM sandboxes
+                     WHERE id = $1 AND node = $2 AND state = 'paused' AND blob IS NULL
+                       AND NOT ended",
+                    &[&sandbox, &node],
+                )
+                .map_err(db_err("reading a pause"))?;
+            Ok(row.map(|r| r.get(0)))
+        })
+    }
+
+    /// Records that `node` resumes `sandbox`: `Ok(None)` when it may (the directory gives it
+    /// to `node`, or does not know it), `Ok(Some(other))` when the directory gives it to
+    /// another node.
+    pub fn claim_resume(&self, sandbox: &str, node: &str) -> Result<Option<String>, FleetError> {
+        self.with(|c| {
+            let n = c
+                .execute(
+                    "UPDATE sandboxes SET state = 'running', blob = NULL,
+                        pause_gen = pause_gen + 1
+                     WHERE id = $1 AND node = $2",
+                    &[&sandbox, &node],
+                )
+                .map_err(db_err("recording a resume"))?;
+            if n == 1 {
+                return Ok(None);
+            }
+            let row = c
+                .query_opt(
+                    "SELECT node FROM sandboxes WHERE id = $1 AND NOT pending",
+                    &[&sandbox],
+                )
+                .map_err(db_err("recording a resume"))?;
+            Ok(row.and_then(|r| r.get::<_, Option<String>>(0)))
+        })
+    }
+
+    /// What the directory knows of a sandbox.
+    pub fn sandbox(&self, sandbox: &str) -> Result<Option<SandboxRoute>, FleetError> {
+        self.with(|c| {
+            let row = c
+                .query_opt(
+                    "SELECT node, state, blob, ended, template FROM sandboxes
+                     WHERE id = $1 AND NOT pending",
+                    &[&sandbox],
+                )
+                .map_err(db_err("reading a sandbox"))?;
+            Ok(row.map(|r| SandboxRoute {
+                node: r.get(0),
+                state: r.get(1),
+                blob: r.get(2),
+                ended: r.get(3),
+                template: r.get(4),
+            }))
+        })
+    }
+
+    /// Gives paused `sandbox` (on `from`, uploaded as `blob`) to `to`: a compare-and-set, so
+    /// that of gateways racing to move it one wins; false when it changed meanwhile.
+    pub fn adopt(
+        &self,
+        sandbox: &str,
+        from: &str,
+        blob: &str,
+        to: &str,
+    ) -> Result<bool, FleetError> {
+        self.with(|c| {
+            let n = c
+                .execute(
+                    "UPDATE sandboxes SET node = $4, updated_at = now()
+                     WHERE id = $1 AND node = $2 AND blob = $3 AND state = 'paused'
+                       AND NOT ended",
+                    &[&sandbox, &from, &blob, &to],
+                )
+                .map_err(db_err("moving a sandbox"))?;
+            Ok(n == 1)
+        })
+    }
+
+    /// Marks `node` draining (placement skips it; it pauses its sandboxes so that they
+    /// continue elsewhere). False when it is not registered.
+    pub fn set_draining(&self, node: &str) -> Result<bool, FleetError> {
+        self.with(|c| {
+            let n = c
+                .execute(
+                    "UPDATE nodes SET status = 'draining' WHERE id = $1",
+                    &[&node],
+                )
+                .map_err(db_err("draining the node"))?;
+            Ok(n == 1)
+        })
+    }
+
+    /// The sandboxes of `node` that cannot move yet: running, or paused without an upload.
+    pub fn unmovable(&self, node: &str) -> Result<i64, FleetError> {
+        self.with(|c| {
+            let row = c
+                .query_one(
+                    "SELECT count(*) FROM sandboxes
+                     WHERE node = $1 AND NOT ended AND NOT pending
+                       AND (state = 'running' OR blob IS NULL)",
+                    &[&node],
+                )
+                .map_err(db_err("counting the node's sandboxes"))?;
+            Ok(row.get(0))
+        })
+    }
+
+    /// Records that `node` stopped (gateways stop sending it calls at once).
+    pub fn set_stopped(&self, node: &str) -> Result<(), FleetError> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE nodes SET status = 'stopped' WHERE id = $1",
+                &[&node],
+            )
+            .map_err(db_err("recording the node's stop"))?;
+            Ok(())
+        })
+    }
+
     pub fn statements(&self) -> Result<i64, FleetError> {
         self.with(|c| {
             let row = c

@@ -38,7 +38,15 @@ pub struct Fleet {
     max_upload_bytes: u64,
     routes: Mutex<HashMap<String, String>>,
     clients: Mutex<HashMap<String, (String, Arc<NodeClient>)>>,
+    /// The nodes as last read (at most [`NODES_FRESH`] old): whether a route's node is up.
+    nodes: Mutex<Option<(std::time::Instant, Vec<NodeStatus>)>>,
 }
+
+/// What placement counts a node's lack of the template as: this many sandboxes of load.
+const PULL_COST: i64 = 2;
+
+/// How long the gateway trusts its last read of the nodes' liveness.
+const NODES_FRESH: Duration = Duration::from_secs(1);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -57,17 +65,18 @@ impl Fleet {
             max_upload_bytes,
             routes: Mutex::new(HashMap::new()),
             clients: Mutex::new(HashMap::new()),
+            nodes: Mutex::new(None),
         }
     }
 
-    /// The live nodes, fewest running first.
+    /// The live nodes (heartbeating, not stopped), fewest running first.
     pub fn live_nodes(&self) -> Result<Vec<NodeStatus>, RuntimeError> {
         let mut nodes: Vec<NodeStatus> = self
             .db
             .nodes()
             .map_err(db_error)?
             .into_iter()
-            .filter(|n| n.heartbeat_age_secs <= LIVE_WITHIN.as_secs_f64())
+            .filter(|n| n.heartbeat_age_secs <= LIVE_WITHIN.as_secs_f64() && n.status == "up")
             .collect();
         nodes.sort_by_key(|n| {
             (
@@ -124,21 +133,137 @@ impl Fleet {
         Ok(())
     }
 
+    /// The nodes, read at most [`NODES_FRESH`] ago.
+    fn nodes_cached(&self) -> Result<Vec<NodeStatus>, RuntimeError> {
+        let mut c = lock(&self.nodes);
+        if let Some((at, n)) = &*c {
+            if at.elapsed() < NODES_FRESH {
+                return Ok(n.clone());
+            }
+        }
+        let n = self.db.nodes().map_err(db_error)?;
+        *c = Some((std::time::Instant::now(), n.clone()));
+        Ok(n)
+    }
+
+    /// Whether node `id` takes calls: it heartbeats and has not said it stopped.
+    fn node_up(&self, id: &str) -> bool {
+        match self.nodes_cached() {
+            Ok(nodes) => nodes.iter().any(|n| {
+                n.node.id == id
+                    && n.status == "up"
+                    && n.heartbeat_age_secs <= LIVE_WITHIN.as_secs_f64()
+            }),
+            // The directory is away: try the node.
+            Err(_) => true,
+        }
+    }
+
+    /// Sandbox `id`'s node `from` is down: where the sandbox can go on. A paused sandbox
+    /// whose snapshot is uploaded is taken in by another live node (the least loaded) and
+    /// its route moves there; anything else is an error that says what became of it.
+    fn relocate(&self, id: &str, from: &str) -> Result<String, RuntimeError> {
+        let Some(s) = self.db.sandbox(id).map_err(db_error)? else {
+            return Err(RuntimeError::NotFound(id.to_string()));
+        };
+        if s.ended {
+            return Err(RuntimeError::NotFound(id.to_string()));
+        }
+        match s.node.as_deref() {
+            Some(n) if n != from => {
+                lock(&self.routes).insert(id.to_string(), n.to_string());
+                return Ok(n.to_string());
+            }
+            _ => {}
+        }
+        let Some(blob) = s.blob.clone().filter(|_| s.state == "paused") else {
+            // A draining node still serves what has not moved yet.
+            let draining = self.nodes_cached().is_ok_and(|n| {
+                n.iter()
+                    .any(|n| n.node.id == from && n.status == "draining")
+            });
+            if draining {
+                return Ok(from.to_string());
+            }
+            return Err(RuntimeError::Unreachable(if s.state == "paused" {
+                format!(
+                    "sandbox {id} is paused on node {from}, which is down, and its snapshot                      was not uploaded yet: it can resume only there"
+                )
+            } else {
+                format!("sandbox {id} runs on node {from}, which is down")
+            }));
+        };
+        let req = crate::node::AdoptRequest {
+            id: id.to_string(),
+            from: from.to_string(),
+            blob,
+        };
+        let mut last = None;
+        for n in self.live_nodes()?.iter().filter(|n| {
+            n.node.id != from
+                && n.status == "up"
+                && i64::from(n.node.running) + n.placed_recently < i64::from(n.node.max_running)
+        }) {
+            match self.client(n).adopt(&req) {
+                Ok(r) => {
+                    tracing::info!(
+                        "sandbox {id}: moved from node {from} to node {} ({} KiB fetched, {:.0}                          ms)",
+                        n.node.id,
+                        r.moved.bytes_moved >> 10,
+                        r.ms
+                    );
+                    lock(&self.routes).insert(id.to_string(), n.node.id.clone());
+                    return Ok(n.node.id.clone());
+                }
+                Err(e) => {
+                    tracing::warn!("sandbox {id}: node {} did not take it: {e}", n.node.id);
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            RuntimeError::Capacity(format!(
+                "sandbox {id} is paused on node {from}, which is down, and no other live node                  has room for it"
+            ))
+        }))
+    }
+
     /// A call to the node of its sandbox.
     fn to_sandbox(&self, id: &str, req: Request, io: Io<'_>) -> Result<Reply, RuntimeError> {
-        let node = self.route(id, false)?;
+        let mut node = self.route(id, false)?;
+        if !self.node_up(&node) {
+            // Perhaps it moved (another gateway moved it): the directory says.
+            node = self.route(id, true)?;
+            if !self.node_up(&node) {
+                node = self.relocate(id, &node)?;
+            }
+        }
         let fork = matches!(req, Request::Fork(_));
-        // Only calls without streams may be sent twice (a stale route is caught by the node).
-        let retry = io.events.is_none() && io.input.is_none() && io.output.is_none();
-        let again = retry.then(|| req.clone());
-        let r = self.client_of(&node)?.handle(req, io);
+        let mut io = io;
+        // A call may be sent twice unless it has input (the first attempt consumed it): a
+        // node that answers "no such sandbox" (a stale route: it moved) or cannot be reached
+        // has streamed nothing.
+        let again = io.input.is_none().then(|| req.clone());
+        let r = self.client_of(&node)?.handle(req, io.reborrow());
         let r = match (r, again) {
             (Err(RuntimeError::NotFound(_)), Some(req)) => {
                 let fresh = self.route(id, true)?;
                 if fresh == node {
                     return Err(RuntimeError::NotFound(id.to_string()));
                 }
-                self.client_of(&fresh)?.handle(req, Io::none())
+                self.client_of(&fresh)?.handle(req, io)
+            }
+            // The node is gone (it stopped since the liveness was read): read it again, and
+            // a call that may be sent twice follows the sandbox wherever it can go on.
+            (Err(e @ RuntimeError::Unreachable(_)), again) => {
+                *lock(&self.nodes) = None;
+                match again {
+                    Some(req) if !self.node_up(&node) => {
+                        let to = self.relocate(id, &node)?;
+                        self.client_of(&to)?.handle(req, io)
+                    }
+                    _ => Err(e),
+                }
             }
             (r, _) => r,
         };
@@ -186,9 +311,19 @@ impl Fleet {
         }
         if let Some(snap) = req.req.snapshot.clone() {
             nodes = self.holding_snapshot(&nodes, &snap)?;
-        } else if let Some(t) = req.req.template.as_deref() {
-            // Nodes that hold the template first (stable: load order kept among them).
-            nodes.sort_by_key(|n| !n.node.templates.iter().any(|x| x == t));
+        } else {
+            // Nodes that hold the template are preferred, by PULL_COST sandboxes' worth of
+            // load: a cold node pulls it (seconds) only when the warm ones are busier.
+            let t = req.req.template.as_deref().unwrap_or("default");
+            nodes.sort_by_key(|n| {
+                let cold = !n.node.templates.iter().any(|x| x == t);
+                (
+                    i64::from(n.node.running)
+                        + n.placed_recently
+                        + if cold { PULL_COST } else { 0 },
+                    n.node.id.clone(),
+                )
+            });
         }
         let mut last = None;
         for n in nodes.iter().filter(|n| {

@@ -4,16 +4,20 @@
 //! holds its sandbox, and a PostgreSQL directory says which nodes are live and which node
 //! holds which sandbox.
 //!
+//! - `blobs`: the blob store (S3 or a directory): bundles of content-addressed chunks.
+//! - `transfer`: templates and paused sandboxes into and out of the blob store.
 //! - `wire`: how a call (request, streams, reply or error) crosses from gateway to node.
 //! - `node`: the node's internal API and its registration and heartbeat.
 //! - `client`: a node's internal API as a `Handler` (what the gateway sends through).
 //! - `gateway`: `Fleet`, the gateway's backend: routing, placement, merged lists.
 //! - `db`: the directory (nodes, routes), migrated on open.
 
+pub mod blobs;
 pub mod client;
 pub mod db;
 pub mod gateway;
 pub mod node;
+pub mod transfer;
 pub mod wire;
 
 pub use client::NodeClient;
@@ -26,6 +30,12 @@ pub enum FleetError {
     /// The directory (PostgreSQL) refused or could not be reached.
     #[error("directory: {0}")]
     Db(String),
+    /// What was asked for is neither on this node nor in the blob store.
+    #[error("{0}")]
+    Missing(String),
+    /// The blob store, or what was read from it.
+    #[error("blobs: {0}")]
+    Blob(String),
     /// The host refused (a thread, a socket).
     #[error("{0}")]
     Io(String),

@@ -23,7 +23,11 @@ use ember_runtime::Runtime;
 use futures_util::StreamExt;
 use tokio::sync::mpsc;
 
+use serde::{Deserialize, Serialize};
+
+use crate::blobs::Blobs;
 use crate::db::{Db, NodeRecord};
+use crate::transfer::NodeHooks;
 use crate::wire::{self, kind, WireError};
 use crate::FleetError;
 
@@ -35,17 +39,191 @@ pub const HEARTBEAT: Duration = Duration::from_secs(1);
 struct NodeState {
     handler: Arc<dyn Handler>,
     token: Arc<String>,
+    mover: Option<Arc<Mover>>,
 }
 
-/// The internal API's router over `handler` (the node's runtime), guarded by `token`.
-pub fn router(handler: Arc<dyn Handler>, token: String) -> Router {
+/// The internal API's router over `handler` (the node's runtime), guarded by `token`;
+/// `mover`: what takes in sandboxes that move here (`POST /internal/v1/adopt`), when the
+/// node has a blob store.
+pub fn router(handler: Arc<dyn Handler>, token: String, mover: Option<Arc<Mover>>) -> Router {
     Router::new()
         .route("/internal/v1/call", post(call))
+        .route("/internal/v1/adopt", post(adopt))
         .route("/internal/v1/health", get(|| async { StatusCode::OK }))
         .with_state(NodeState {
             handler,
             token: Arc::new(token),
+            mover,
         })
+}
+
+/// What takes in a paused sandbox that moves to this node.
+#[derive(Debug)]
+pub struct Mover {
+    /// This node's runtime.
+    pub rt: Runtime,
+    /// The blob store.
+    pub blobs: Arc<Blobs>,
+    /// The directory.
+    pub db: Arc<Db>,
+    /// This node's id.
+    pub node: String,
+    /// Its hooks (which sandboxes are being taken in).
+    pub hooks: Arc<NodeHooks>,
+}
+
+/// `POST /internal/v1/adopt`: what a gateway asks of the node a paused sandbox moves to.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdoptRequest {
+    /// The sandbox.
+    pub id: String,
+    /// The node it was paused on.
+    pub from: String,
+    /// Its uploaded snapshot (a bundle).
+    pub blob: String,
+}
+
+/// What the node answers an adopt with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdoptReply {
+    /// The sandbox, paused here.
+    pub sandbox: ember_runtime::SandboxInfo,
+    /// What moved.
+    pub moved: crate::blobs::Moved,
+    /// How long the take-in took, ms.
+    pub ms: f64,
+}
+
+impl Mover {
+    /// Takes in paused sandbox `r.id` from its upload, then claims it in the directory (a
+    /// compare-and-set: a gateway that moved it elsewhere meanwhile wins, and the copy here
+    /// is dropped).
+    pub fn adopt(&self, r: &AdoptRequest) -> Result<AdoptReply, FleetError> {
+        let t0 = std::time::Instant::now();
+        {
+            let mut importing = self
+                .hooks
+                .importing
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if !importing.insert(r.id.clone()) {
+                return Err(FleetError::Blob(format!(
+                    "sandbox {} is already moving here",
+                    r.id
+                )));
+            }
+        }
+        let done = || {
+            self.hooks
+                .importing
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&r.id);
+        };
+        let res = (|| {
+            if let Ok(info) = self.rt.get(&r.id) {
+                if !info.state.is_final() {
+                    return Err(FleetError::Blob(format!(
+                        "sandbox {} is already here",
+                        r.id
+                    )));
+                }
+                // An ended copy from an earlier stay: its records give way.
+                self.rt.forget(&r.id, "it moves back here");
+            }
+            let (info, moved) =
+                crate::transfer::import_pause(&self.blobs, &self.rt, &r.id, &r.blob, &r.from)?;
+            match self.db.adopt(&r.id, &r.from, &r.blob, &self.node) {
+                Ok(true) => Ok(AdoptReply {
+                    sandbox: info,
+                    moved,
+                    ms: t0.elapsed().as_secs_f64() * 1e3,
+                }),
+                Ok(false) => {
+                    self.rt.forget(&r.id, "another node took it first");
+                    Err(FleetError::Blob(format!(
+                        "sandbox {} changed while it moved (another gateway moved it, or it                          resumed on node {})",
+                        r.id, r.from
+                    )))
+                }
+                Err(e) => {
+                    self.rt
+                        .forget(&r.id, "the directory did not record the move");
+                    Err(e)
+                }
+            }
+        })();
+        done();
+        res
+    }
+}
+
+async fn adopt(State(st): State<NodeState>, req: Request) -> Response {
+    if !authorized(&st, &req) {
+        return refuse(
+            StatusCode::UNAUTHORIZED,
+            "the internal API wants the node token (Authorization: Bearer …)",
+        );
+    }
+    let Some(mover) = st.mover.clone() else {
+        return refuse(
+            StatusCode::NOT_IMPLEMENTED,
+            "this node has no blob store (--blobs): sandboxes cannot move here",
+        );
+    };
+    let body = match axum::body::to_bytes(req.into_body(), 64 << 10).await {
+        Ok(b) => b,
+        Err(e) => return refuse(StatusCode::BAD_REQUEST, format!("the body: {e}")),
+    };
+    let r: AdoptRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return refuse(StatusCode::BAD_REQUEST, format!("the request: {e}")),
+    };
+    let res = tokio::task::spawn_blocking(move || mover.adopt(&r)).await;
+    match res {
+        Ok(Ok(reply)) => axum::Json(reply).into_response(),
+        Ok(Err(e)) => refuse(StatusCode::CONFLICT, e.to_string()),
+        Err(e) => refuse(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the take-in failed: {e}"),
+        ),
+    }
+}
+
+/// The node's runtime as the internal API serves it: a create of a template this node does
+/// not have pulls it from the blob store first.
+#[derive(Debug, Clone)]
+pub struct NodeRuntime {
+    /// The runtime.
+    pub rt: Runtime,
+    /// The blob store, if any.
+    pub blobs: Option<Arc<Blobs>>,
+}
+
+impl Handler for NodeRuntime {
+    fn handle(
+        &self,
+        req: Call,
+        io: Io<'_>,
+    ) -> Result<ember_runtime::call::Reply, ember_runtime::RuntimeError> {
+        if let (Call::Create(c), Some(blobs)) = (&req, &self.blobs) {
+            if c.req.snapshot.is_none() {
+                let name = c.req.template.as_deref().unwrap_or("default");
+                if ember_runtime::Template::open(name).is_err() {
+                    match crate::transfer::open_or_pull(Some(blobs), name, None) {
+                        // The runtime says it is not built, as on one host.
+                        Ok(_) | Err(FleetError::Missing(_)) => {}
+                        Err(e) => {
+                            return Err(ember_runtime::RuntimeError::Unreachable(format!(
+                                "template {name} could not be pulled: {e}"
+                            )))
+                        }
+                    }
+                }
+            }
+        }
+        self.rt.handle(req, io)
+    }
 }
 
 fn authorized(st: &NodeState, req: &Request) -> bool {
@@ -303,6 +481,21 @@ fn templates() -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// One step of a drain: every running sandbox is paused (its hooks record and upload the
+/// pause; the gateways then continue it on another node at its next call).
+fn drain_step(rt: &Runtime) {
+    let Ok(list) = live(rt) else { return };
+    for s in list
+        .iter()
+        .filter(|s| s.state == ember_runtime::State::Running)
+    {
+        match rt.pause(&s.id) {
+            Ok(_) => tracing::info!("drain: sandbox {} paused", s.id),
+            Err(e) => tracing::warn!("drain: sandbox {} not paused: {e}", s.id),
+        }
+    }
+}
+
 /// Registers the node and heartbeats every [`HEARTBEAT`] on a thread of its own until
 /// `stop` is set. A heartbeat that fails (the database is away) is retried at the next tick;
 /// a node the directory forgot registers again.
@@ -311,6 +504,7 @@ pub fn start_heartbeat(
     cfg: NodeConfig,
     rt: Runtime,
     stop: Arc<AtomicBool>,
+    hooks: Option<Arc<NodeHooks>>,
 ) -> Result<i64, FleetError> {
     let epoch = db.register(&record(&cfg, &rt))?;
     std::thread::Builder::new()
@@ -328,8 +522,23 @@ pub fn start_heartbeat(
                     }
                     Err(e) => Err(FleetError::Io(format!("listing the sandboxes: {e}"))),
                 }
-                .and_then(|known| {
-                    if known {
+                .and_then(|hb| {
+                    // Sandboxes that continued on another node while this one was away.
+                    for id in &hb.elsewhere {
+                        let importing = hooks.as_ref().is_some_and(|h| {
+                            h.importing
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .contains(id)
+                        });
+                        if !importing {
+                            rt.forget(id, "the directory gives it to another node");
+                        }
+                    }
+                    if hb.draining {
+                        drain_step(&rt);
+                    }
+                    if hb.known {
                         Ok(())
                     } else {
                         db.register(&record(&cfg, &rt)).map(drop)

@@ -75,6 +75,33 @@ pub struct Io<'a> {
     pub cancel: Option<Arc<Cancel>>,
 }
 
+impl Io<'_> {
+    /// The same sinks, borrowed again: for a caller that may send a call a second time when
+    /// the first attempt was refused before anything streamed (a router that followed a
+    /// stale route). Not for a call with input: the first attempt consumes it.
+    pub fn reborrow(&mut self) -> Io<'_> {
+        Io {
+            events: match &mut self.events {
+                Some(e) => Some(&mut **e),
+                None => None,
+            },
+            input: match &mut self.input {
+                Some(r) => Some(&mut **r),
+                None => None,
+            },
+            output: match &mut self.output {
+                Some(w) => Some(&mut **w),
+                None => None,
+            },
+            progress: match &mut self.progress {
+                Some(p) => Some(&mut **p),
+                None => None,
+            },
+            cancel: self.cancel.clone(),
+        }
+    }
+}
+
 impl std::fmt::Debug for Io<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Io")

@@ -52,6 +52,7 @@ use std::time::{Duration, Instant};
 
 pub use config::RuntimeConfig;
 pub use error::{ErrorClass, RuntimeError};
+pub use lifecycle::{LifecycleHooks, ResumeVerdict};
 pub use network::{NetworkInfo, MAX_PORTS};
 pub use types::*;
 pub use watches::relative_name;
@@ -92,6 +93,8 @@ struct Inner {
     /// The polling watchers whose watch runs in this process (their records are in the
     /// store).
     watches: Mutex<HashMap<String, Arc<watches::LiveWatcher>>>,
+    /// What the embedder follows pauses and resumes with (`set_hooks`).
+    hooks: Mutex<Option<Arc<dyn LifecycleHooks>>>,
 }
 
 /// One sandbox with a VMM or a pause snapshot.
@@ -197,6 +200,7 @@ impl Runtime {
                 calls: Mutex::new(Default::default()),
                 watcher: Mutex::new(None),
                 watches: Mutex::new(HashMap::new()),
+                hooks: Mutex::new(None),
                 timer: Arc::new((Mutex::new(false), Condvar::new())),
                 net,
                 pool,

@@ -125,8 +125,9 @@ pub type StoreResult<T> = Result<T, rusqlite::Error>;
 pub use crate::clock::{now_ms, rfc3339};
 
 /// One sandbox as stored: the public [`SandboxInfo`] plus what the runtime needs to find its
-/// processes and files again.
-#[derive(Debug, Clone, PartialEq)]
+/// processes and files again. Serializable: a paused sandbox that moves to another host
+/// carries its row (`Runtime::export_paused`, `Runtime::import_paused`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SandboxRow {
     /// Id.
     pub id: String,

@@ -11,6 +11,9 @@
 //!   `snapshot_to`, which writes every snapshot the runtime takes (a pause's too).
 //! - `timers.rs`: `set_timeout` and the timer thread — timeouts, max lifetimes, paused
 //!   retention, record retention.
+//! - `moved.rs`: a paused sandbox moving between hosts (`export_paused`, `import_paused`,
+//!   `forget`) and the [`crate::LifecycleHooks`] an embedder (the fleet's node) follows pauses
+//!   and resumes with.
 //! - `reclaim.rs`: what ended without the runtime ending it: a VMM that died (`vmm_exited`,
 //!   called by the watcher) and what a previous server left (`reclaim`, at open).
 //!
@@ -30,13 +33,16 @@ use crate::jailed::{self, Live};
 use crate::types::*;
 use crate::{lock, Runtime, RuntimeError, SlotState};
 
+pub use moved::{LifecycleHooks, ResumeVerdict};
+
 mod create;
 mod fork;
+mod moved;
 mod reclaim;
 mod suspend;
 mod timers;
 
-fn check_name(name: &str) -> Result<(), RuntimeError> {
+pub(crate) fn check_name(name: &str) -> Result<(), RuntimeError> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && name

@@ -66,7 +66,12 @@ impl Runtime {
                 self.transition(&slot, &mut st, State::Paused, Some(reason.to_string()));
                 phases.mark("record");
                 tracing::info!("sandbox {id}: paused: {}", phases.summary());
-                Ok(st.row.info())
+                let (info, row) = (st.row.info(), st.row.clone());
+                drop(st);
+                if let (Some(h), Some(dir)) = (self.hooks(), &row.pause_dir) {
+                    h.paused(&super::moved::portable(&row), dir);
+                }
+                Ok(info)
             }
             Err(e) => {
                 // The VM may still run (the snapshot failed before it exited): keep it.
@@ -252,6 +257,10 @@ impl Runtime {
 
     fn resume_inner(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {
         let slot = self.slot(id)?;
+        // The embedder may have given it to another host (a fleet): then it is not ours.
+        if lock(&slot.st).row.state == State::Paused {
+            self.may_resume(id)?;
+        }
         let gate = lock(&self.inner.capacity);
         let (n, mem) = self.committed();
         let st = lock(&slot.st);

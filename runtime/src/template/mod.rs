@@ -278,6 +278,41 @@ impl Template {
         Ok(t)
     }
 
+    /// A new empty directory on the template cache's file system, for a template made
+    /// elsewhere (a fleet's node pulling one) to be staged in before [`Template::install`].
+    pub fn staging_dir(tag: &str) -> Result<PathBuf, TemplateError> {
+        let root = key::cache_root();
+        let dir = root.join(format!(".stage-{tag}-{}", crate::paths::random_id()));
+        std::fs::create_dir_all(&dir).map_err(io_err("cannot create", &dir))?;
+        Ok(dir)
+    }
+
+    /// Installs a template made on another host: `staged` (from [`Template::staging_dir`],
+    /// holding its `template.json` and `snapshot/`, with disk paths already this host's)
+    /// becomes `$EMBER_CACHE/templates/<key>` and `name` points at it. When that key is
+    /// already installed (a concurrent pull), `staged` is dropped and the one there kept.
+    pub fn install(staged: &Path, name: &str) -> Result<Template, TemplateError> {
+        check_name(name)?;
+        let t = Template::open_dir(staged)?;
+        let key = t.info.key.clone();
+        if key.len() != 64 || !key.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(TemplateError::BadRecord {
+                path: staged.join("template.json"),
+                message: format!("key {key:?} is not a SHA-256"),
+            });
+        }
+        let root = key::cache_root();
+        let _lock = key::lock_file(&root.join(format!(".lock-{key}")))?;
+        let dest = root.join(&key);
+        if dest.join("template.json").is_file() {
+            let _ = std::fs::remove_dir_all(staged);
+        } else {
+            std::fs::rename(staged, &dest).map_err(io_err("cannot install", &dest))?;
+        }
+        key::link_name(&root, name, &key)?;
+        Template::open_dir(&dest)
+    }
+
     /// The snapshot directory sandboxes restore from.
     pub fn snapshot_dir(&self) -> PathBuf {
         self.dir.join("snapshot")
