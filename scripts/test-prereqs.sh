@@ -8,16 +8,19 @@
 #     driver on the host, against the same packages the templates install), python3-venv (the
 #     venvs below), chromium (tests/browser.rs's live view, tests/bench.rs's HTML report), ip,
 #     nft and unshare (tests/network.rs, tests/browser.rs, tests/cli_errors.rs), gcc
-#     (tests/guest_cpu_state.rs); Node.js and npm when there is no `node` (the E2B JS SDK
-#     wants Node >= 20.18.1 and Debian 12's nodejs is 18, so an existing newer `node` is kept
-#     and apt's is only the fallback);
-#   - the pinned E2B SDKs (scripts/e2b-sdks.sh, for tests/e2b.rs) and CDP clients
-#     (scripts/browser-clients.sh, for tests/browser.rs), each cached by the hash of its pins.
+#     (tests/guest_cpu_state.rs), systemd (systemd-analyze verify, for tests/deploy.rs);
+#     Node.js and npm when there is no `node` (the E2B JS SDK wants Node >= 20.18.1 and
+#     Debian 12's nodejs is 18, so an existing newer `node` is kept and apt's is only the
+#     fallback);
+#   - the pinned E2B SDKs (scripts/e2b-sdks.sh, for tests/e2b.rs), CDP clients
+#     (scripts/browser-clients.sh, for tests/browser.rs), moto's S3 server
+#     (scripts/s3-server.sh, for tests/cluster.rs) and deploy/ validators
+#     (scripts/deploy-validators.sh, for tests/deploy.rs), each cached by the hash of its pins.
 #
 # Usage: test-prereqs.sh [--packages | --clients]   (default: both; .ci/run runs the two parts
 # in steps of their own, scripts/test.sh the whole).
 #
-# Progress goes to stderr. Prints last, on stdout, the EMBER_*=path lines of those two scripts
+# Progress goes to stderr. Prints last, on stdout, the EMBER_*=path lines of those scripts
 # (what scripts/test.sh exports for the tests). Every part is tried; the exit status is 1 when
 # any failed (each failure is named on stderr), and the lines of the parts that worked are
 # still printed.
@@ -39,7 +42,7 @@ lines=()
 if $packages; then
     pkgs=(python3 python3-venv python3-ipython python3-matplotlib python3-matplotlib-inline
           python3-pandas python3-openpyxl chromium iproute2 nftables util-linux gcc
-          postgresql)
+          postgresql systemd)
     missing=()
     for p in "${pkgs[@]}"; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -59,7 +62,8 @@ fi
 # --- Pinned client libraries (they need python3-venv and npm from above); their EMBER_* lines
 # are kept for the end, anything else they print on stdout goes to stderr.
 if $clients; then
-    for script in scripts/e2b-sdks.sh scripts/browser-clients.sh scripts/s3-server.sh; do
+    for script in scripts/e2b-sdks.sh scripts/browser-clients.sh scripts/s3-server.sh \
+                  scripts/deploy-validators.sh; do
         if out=$(bash "$script"); then
             while IFS= read -r line; do
                 if [[ $line =~ ^EMBER_[A-Z0-9_]+= ]]; then
