@@ -686,7 +686,12 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
         );
         assert!(image.is_file());
     }
-    assert!(c.status().iter().all(|n| holds(n, "default")));
+    // The next heartbeats say so.
+    let t_hb = Instant::now();
+    while !c.status().iter().all(|n| holds(n, "default")) {
+        assert!(t_hb.elapsed() < Duration::from_secs(5), "{:?}", c.status());
+        std::thread::sleep(Duration::from_millis(200));
+    }
 
     // State set through one gateway is read through the other.
     for (k, (id, gw)) in ids.iter().enumerate() {

@@ -710,13 +710,8 @@ mod tests {
         pub struct Dir(pub std::path::PathBuf);
         impl Dir {
             pub fn new(tag: &str) -> Dir {
-                let p = std::env::temp_dir().join(format!(
-                    "ember-{tag}-{}-{}",
-                    std::process::id(),
-                    crate::blobs::sha256_hex(format!("{:?}", std::time::Instant::now()).as_bytes())
-                        [..8]
-                        .to_string()
-                ));
+                let p = std::env::temp_dir()
+                    .join(format!("ember-{tag}-{}", ember_runtime::paths::random_id()));
                 std::fs::create_dir_all(&p).unwrap();
                 Dir(p)
             }
