@@ -26,8 +26,11 @@
 //!   other gateway continues it on another node with its interpreter state; the node, back,
 //!   drops its stale copy.
 //!
-//! Not yet here (docs/cluster.md, "Not built yet"): fork children and named snapshots on other
-//! nodes, a lost node.
+//! - a fork's children spread over the nodes, each with its parent's state;
+//! - a drain: every sandbox of the drained node continues on another, state intact.
+//!
+//! Not yet here (docs/cluster.md, "Not built yet"): named snapshots on other nodes, a lost
+//! node.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -637,7 +640,7 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
     // Creates through both gateways spread over the nodes.
     let mut ids = Vec::new();
     let mut create_ms = Vec::new();
-    for k in 0..9u8 {
+    for k in 0..30u8 {
         let gw = 1 + k % 2;
         let t = Instant::now();
         let id = c.ember_ok(gw, &["sandbox", "create"]).trim().to_string();
@@ -656,7 +659,7 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
         .iter()
         .map(|n| n["sandboxes"].as_i64().unwrap())
         .collect();
-    assert_eq!(per_node.iter().sum::<i64>(), 9, "{per_node:?}");
+    assert_eq!(per_node.iter().sum::<i64>(), 30, "{per_node:?}");
     assert!(
         per_node.iter().all(|n| *n >= 1),
         "creates did not spread: {per_node:?}"
@@ -872,6 +875,32 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
         .status()
         .iter()
         .any(|x| x["id"] == to.as_str() && x["status"] == "up"));
+
+    // A fork: the children spread over the nodes (each moved the way a paused sandbox
+    // moves), every one with its parent's state.
+    let (parent, _) = ids[0].clone();
+    let parent_node = c.sql(&format!("SELECT node FROM sandboxes WHERE id = '{parent}'"));
+    let t_fork = Instant::now();
+    let out = c.ember_ok(1, &["sandbox", "fork", &parent, "--count", "3"]);
+    let fork_ms = t_fork.elapsed().as_secs_f64() * 1e3;
+    let children: Vec<String> = out.split_whitespace().map(str::to_string).collect();
+    assert_eq!(children.len(), 3, "{out}");
+    let mut child_nodes = std::collections::BTreeSet::new();
+    for ch in &children {
+        let out = c.ember_ok(2, &["code", ch, "print(x)"]);
+        assert_eq!(out.trim(), "0", "fork child {ch}");
+        child_nodes.insert(c.sql(&format!("SELECT node FROM sandboxes WHERE id = '{ch}'")));
+    }
+    assert!(
+        child_nodes.len() >= 2 && child_nodes.iter().any(|n| *n != parent_node),
+        "the children of {parent} (on {parent_node}) did not spread: {child_nodes:?}"
+    );
+    eprintln!(
+        "fork of a sandbox on {parent_node} into 3: {fork_ms:.0} ms, children on {child_nodes:?}"
+    );
+    for ch in &children {
+        c.ember_ok(1, &["sandbox", "kill", ch]);
+    }
 
     // Killed through one gateway, gone through the other.
     let (id1, _) = ids[1].clone();

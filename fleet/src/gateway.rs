@@ -199,9 +199,18 @@ impl Fleet {
             blob,
         };
         let mut last = None;
+        // A snapshot restores only on a host of the same kind and CPU profile.
+        let origin = self
+            .nodes_cached()?
+            .into_iter()
+            .find(|n| n.node.id == from)
+            .map(|n| (n.node.host_kind, n.node.cpu_profile));
         for n in self.live_nodes()?.iter().filter(|n| {
             n.node.id != from
                 && n.status == "up"
+                && origin
+                    .as_ref()
+                    .is_none_or(|(k, p)| *k == n.node.host_kind && *p == n.node.cpu_profile)
                 && i64::from(n.node.running) + n.placed_recently < i64::from(n.node.max_running)
         }) {
             match self.client(n).adopt(&req) {
@@ -272,6 +281,7 @@ impl Fleet {
                 for c in children {
                     self.remember(&c.id, &node)?;
                 }
+                self.spread(&node, children);
             }
             // Its place in its key's quota is free at once (the node's heartbeat would say
             // so within a second anyway).
@@ -283,6 +293,95 @@ impl Fleet {
             _ => {}
         }
         r
+    }
+
+    /// Spreads fork children over the fleet: the first stays with its parent, each other goes
+    /// to another live node with room (least loaded first, round robin), the way any paused
+    /// sandbox moves: paused on the parent's node, its upload awaited, taken in by the other
+    /// node and resumed there. A child that cannot move stays (and runs) on its parent's node.
+    fn spread(&self, parent_node: &str, children: &[SandboxInfo]) {
+        if children.len() < 2 {
+            return;
+        }
+        let Ok(nodes) = self.live_nodes() else { return };
+        let Some(home) = self
+            .nodes_cached()
+            .ok()
+            .and_then(|n| n.into_iter().find(|n| n.node.id == parent_node))
+        else {
+            return;
+        };
+        // A snapshot restores only where the host kind and CPU profile are the same.
+        let targets: Vec<NodeStatus> = nodes
+            .into_iter()
+            .filter(|n| {
+                n.node.id != parent_node
+                    && n.node.host_kind == home.node.host_kind
+                    && n.node.cpu_profile == home.node.cpu_profile
+                    && i64::from(n.node.running) + n.placed_recently < i64::from(n.node.max_running)
+            })
+            .collect();
+        if targets.is_empty() {
+            return;
+        }
+        let Ok(parent) = self.client_of(parent_node) else {
+            return;
+        };
+        let t0 = std::time::Instant::now();
+        let moving: Vec<(&SandboxInfo, &NodeStatus)> =
+            children[1..].iter().zip(targets.iter().cycle()).collect();
+        let mut paused = Vec::new();
+        for (c, to) in &moving {
+            match parent.handle(call::Pause { id: c.id.clone() }.into(), Io::none()) {
+                Ok(_) => paused.push((*c, *to)),
+                Err(e) => tracing::warn!("fork: child {} stays on {parent_node}: {e}", c.id),
+            }
+        }
+        for (c, to) in paused {
+            let blob = self.await_upload(&c.id);
+            let Some(blob) = blob else {
+                tracing::warn!(
+                    "fork: child {} stays on {parent_node}: its pause was not uploaded",
+                    c.id
+                );
+                continue;
+            };
+            let req = crate::node::AdoptRequest {
+                id: c.id.clone(),
+                from: parent_node.to_string(),
+                blob,
+            };
+            let client = self.client(to);
+            let moved = client
+                .adopt(&req)
+                .and_then(|_| client.handle(call::Resume { id: c.id.clone() }.into(), Io::none()));
+            match moved {
+                Ok(_) => {
+                    lock(&self.routes).insert(c.id.clone(), to.node.id.clone());
+                }
+                Err(e) => tracing::warn!("fork: child {} not moved to {}: {e}", c.id, to.node.id),
+            }
+        }
+        tracing::info!(
+            "fork: {} children spread from {parent_node} in {:.0} ms",
+            moving.len(),
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+    }
+
+    /// Waits (up to 30 s) for the upload of sandbox `id`'s pause; its bundle.
+    fn await_upload(&self, id: &str) -> Option<String> {
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < Duration::from_secs(30) {
+            match self.db.sandbox(id) {
+                Ok(Some(s)) if s.state == "paused" && s.blob.is_some() => return s.blob,
+                Ok(Some(s)) if s.state == "paused" => {}
+                Ok(_) => return None,
+                Err(e) => tracing::debug!("waiting for the upload of {id}: {e}"),
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
     }
 
     /// Places a create on a live node, trying the next on refusal, within the API key's

@@ -87,7 +87,13 @@ pub fn publish_template(
         files.push((format!("snapshot/{n}"), snap.join(&n)));
     }
     files.push((IMAGE.into(), t.info.rootfs.clone()));
-    let meta = serde_json::json!({ "name": name, "key": t.info.key });
+    let (host_kind, cpu_profile) = crate::node::host_profile();
+    let meta = serde_json::json!({
+        "name": name,
+        "key": t.info.key,
+        "host_kind": host_kind,
+        "cpu_profile": cpu_profile,
+    });
     let (bundle, moved) = blobs
         .put_bundle("template", &files, meta)
         .map_err(blob_err)?;
@@ -196,6 +202,19 @@ pub fn pull_template(
         return Err(FleetError::Blob(format!(
             "bundle {} is not template build {}",
             p.bundle, p.key
+        )));
+    }
+    // Its snapshot restores only on a host like the one that made it.
+    let here = crate::node::host_profile();
+    let made = (
+        bundle.meta["host_kind"].as_str().unwrap_or_default(),
+        bundle.meta["cpu_profile"].as_str().unwrap_or_default(),
+    );
+    if made != (here.0.as_str(), here.1.as_str()) {
+        return Err(FleetError::Blob(format!(
+            "template {name} was built on a {} host with CPU profile {}; this node is {} with {}: \
+             it cannot restore it (build it on a host like this one)",
+            made.0, made.1, here.0, here.1
         )));
     }
     // The image, shared by the templates over it: named by its chunk list.

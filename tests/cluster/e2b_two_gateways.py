@@ -6,7 +6,8 @@ gateway, then connected to and used through another (tests/cluster.rs runs this)
 
 Through gateway 1: Sandbox.create, run_code (state kept), files.write, commands.run, a
 background command. Through gateway 2: Sandbox.connect to the same id, the interpreter's
-state and the file are there, commands.list shows the background command, kill. Prints `ok`.
+state and the file are there, commands.list shows the background command, pause. Through
+gateway 1 again: Sandbox.connect resumes it with its state, kill. Prints `ok`.
 """
 
 import os
@@ -45,7 +46,17 @@ def main(gw1, gw2):
     if bg.pid not in pids:
         raise AssertionError(f"background pid {bg.pid} not listed through gateway 2: {pids}")
     again.commands.kill(bg.pid)
-    again.kill()
+    # Paused through gateway 2, resumed (Sandbox.connect) through gateway 1, state kept.
+    if again.pause() is not True:
+        raise AssertionError("pause through gateway 2")
+    through(gw1)
+    if str(getattr(Sandbox.get_info(sid).state, "value", "?")) != "paused":
+        raise AssertionError(f"state through gateway 1: {Sandbox.get_info(sid)!r}")
+    back = Sandbox.connect(sid)
+    r = back.run_code("fleet + 2")
+    if r.text != "44":
+        raise AssertionError(f"state after pause and connect: {r!r}")
+    back.kill()
     print(f"ok: sandbox {sid} made through {gw1}, used through {gw2}", flush=True)
 
 
