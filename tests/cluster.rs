@@ -29,8 +29,9 @@
 //! - a fork's children spread over the nodes, each with its parent's state;
 //! - a drain: every sandbox of the drained node continues on another, state intact.
 //!
-//! Not yet here (docs/cluster.md, "Not built yet"): named snapshots on other nodes, a lost
-//! node.
+//! - a named snapshot, fleet-wide by name, uploaded; creates from it on several nodes;
+//!
+//! Not yet here (docs/cluster.md, "Not built yet"): a lost node.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -900,6 +901,58 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
     );
     for ch in &children {
         c.ember_ok(1, &["sandbox", "kill", ch]);
+    }
+
+    // A named snapshot: its name is the fleet's (a second of that name is refused), it is
+    // uploaded, and creates from it land on other nodes too (the drained node, empty now, is
+    // the least busy: it pulls the snapshot), each with the state it was taken with.
+    let (src, _) = ids[5].clone();
+    c.ember_ok(1, &["sandbox", "snapshot", &src, "--name", "fleet-snap"]);
+    let (ok, _, err) = c.ember(
+        2,
+        &["sandbox", "snapshot", &ids[6].0, "--name", "fleet-snap"],
+    );
+    assert!(
+        !ok && err.contains("exists"),
+        "a second snapshot of that name: {err}"
+    );
+    let t_up = Instant::now();
+    while c.sql("SELECT blob IS NOT NULL FROM snapshots WHERE name = 'fleet-snap'") != "t" {
+        assert!(
+            t_up.elapsed() < Duration::from_secs(60),
+            "snapshot fleet-snap not uploaded:\n{}",
+            c.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut from_snap = Vec::new();
+    let mut snap_nodes = std::collections::BTreeSet::new();
+    for k in 0..4u8 {
+        let id = c
+            .ember_ok(
+                1 + k % 2,
+                &["sandbox", "create", "--snapshot", "fleet-snap"],
+            )
+            .trim()
+            .to_string();
+        let out = c.ember_ok(2 - k % 2, &["code", &id, "print(x)"]);
+        assert_eq!(out.trim(), "35", "sandbox {id} from snapshot fleet-snap");
+        snap_nodes.insert(c.sql(&format!("SELECT node FROM sandboxes WHERE id = '{id}'")));
+        from_snap.push(id);
+    }
+    let origin = c.sql("SELECT node FROM snapshots WHERE name = 'fleet-snap'");
+    assert!(
+        snap_nodes.iter().any(|n| *n != origin),
+        "creates from the snapshot (taken on {origin}) stayed there: {snap_nodes:?}"
+    );
+    let other = snap_nodes.iter().find(|n| **n != origin).unwrap().clone();
+    let line = c.wait_log(&other, "snapshot fleet-snap: pulled", 5);
+    eprintln!(
+        "4 creates from snapshot fleet-snap (taken on {origin}) landed on {snap_nodes:?}; {other}: {}",
+        line.split("INFO").last().unwrap_or(&line).trim()
+    );
+    for id in &from_snap {
+        c.ember_ok(2, &["sandbox", "kill", id]);
     }
 
     // Killed through one gateway, gone through the other.

@@ -196,6 +196,8 @@ pub fn node_main(a: NodeArgs) -> ExitCode {
         let handler = ember_fleet::node::NodeRuntime {
             rt: rt.clone(),
             blobs: blobs.clone(),
+            db: db.clone(),
+            hooks: hooks.clone(),
         };
         let app = ember_fleet::node::router(Arc::new(handler), token, mover);
         // Frames are small and written one by one: no Nagle delay between them.

@@ -602,6 +602,8 @@ impl Blobs {
                         });
                     }
                     write_sparse(&out, c.at, &data).map_err(io_err("cannot write", tmp))?;
+                    // It is in the store: an upload of the same bytes need not ask.
+                    self.remember(&c.sha256);
                     Ok(n)
                 }
             })

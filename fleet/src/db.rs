@@ -59,6 +59,15 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE sandboxes ADD COLUMN template TEXT;
     ALTER TABLE sandboxes ADD COLUMN updated_at TIMESTAMPTZ NOT NULL DEFAULT now();
     ALTER TABLE nodes ADD COLUMN status TEXT NOT NULL DEFAULT 'up';",
+    // 4: named snapshots, fleet-wide: a name is reserved before the snapshot is taken (two
+    // nodes cannot both make one), `info` is the runtime's record, `blob` its upload.
+    "CREATE TABLE snapshots (
+        name TEXT PRIMARY KEY,
+        node TEXT,
+        info JSONB,
+        blob TEXT,
+        created_at TIMESTAMPTZ NOT NULL DEFAULT now()
+    );",
 ];
 
 /// How a heartbeat's list is trusted: a sandbox created or moved this recently is not marked
@@ -571,6 +580,82 @@ impl Db {
                 )
                 .map_err(db_err("counting the node's sandboxes"))?;
             Ok(row.get(0))
+        })
+    }
+
+    /// Reserves snapshot name `name` for a snapshot taken on `node`; false when it is taken.
+    pub fn reserve_snapshot(&self, name: &str, node: &str) -> Result<bool, FleetError> {
+        self.with(|c| {
+            let n = c
+                .execute(
+                    "INSERT INTO snapshots (name, node) VALUES ($1, $2)
+                     ON CONFLICT (name) DO NOTHING",
+                    &[&name, &node],
+                )
+                .map_err(db_err("reserving a snapshot name"))?;
+            Ok(n == 1)
+        })
+    }
+
+    /// Records snapshot `name` of `node`: its record (`info`) and, once uploaded, its bundle.
+    pub fn set_snapshot(
+        &self,
+        name: &str,
+        node: &str,
+        info: &serde_json::Value,
+        blob: Option<&str>,
+    ) -> Result<(), FleetError> {
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO snapshots (name, node, info, blob) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (name) DO UPDATE SET info = EXCLUDED.info,
+                    blob = COALESCE(EXCLUDED.blob, snapshots.blob)
+                 WHERE snapshots.node = EXCLUDED.node",
+                &[&name, &node, &info, &blob],
+            )
+            .map_err(db_err("recording a snapshot"))?;
+            Ok(())
+        })
+    }
+
+    /// Snapshot `name`: (its node, its record, its bundle).
+    #[allow(clippy::type_complexity)]
+    pub fn snapshot(
+        &self,
+        name: &str,
+    ) -> Result<Option<(Option<String>, Option<serde_json::Value>, Option<String>)>, FleetError>
+    {
+        self.with(|c| {
+            let row = c
+                .query_opt(
+                    "SELECT node, info, blob FROM snapshots WHERE name = $1",
+                    &[&name],
+                )
+                .map_err(db_err("reading a snapshot"))?;
+            Ok(row.map(|r| (r.get(0), r.get(1), r.get(2))))
+        })
+    }
+
+    /// Every named snapshot's record (those whose take finished).
+    pub fn snapshots(&self) -> Result<Vec<serde_json::Value>, FleetError> {
+        self.with(|c| {
+            let rows = c
+                .query(
+                    "SELECT info FROM snapshots WHERE info IS NOT NULL ORDER BY created_at",
+                    &[],
+                )
+                .map_err(db_err("listing snapshots"))?;
+            Ok(rows.iter().map(|r| r.get(0)).collect())
+        })
+    }
+
+    /// Forgets snapshot `name` (false when there was none).
+    pub fn delete_snapshot(&self, name: &str) -> Result<bool, FleetError> {
+        self.with(|c| {
+            let n = c
+                .execute("DELETE FROM snapshots WHERE name = $1", &[&name])
+                .map_err(db_err("deleting a snapshot"))?;
+            Ok(n == 1)
         })
     }
 

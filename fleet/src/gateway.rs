@@ -295,6 +295,31 @@ impl Fleet {
         r
     }
 
+    /// A named snapshot: its name is reserved fleet-wide first (names are the fleet's, not a
+    /// node's), then the sandbox's node takes it (and records and uploads it).
+    fn take_snapshot(&self, mut t: call::TakeSnapshot, io: Io<'_>) -> Result<Reply, RuntimeError> {
+        let name = t
+            .req
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("{}-{}", t.id, ember_runtime::store::now_ms()));
+        let node = self.route(&t.id, false)?;
+        if !self.db.reserve_snapshot(&name, &node).map_err(db_error)? {
+            return Err(RuntimeError::Invalid(format!(
+                "a snapshot named {name:?} exists"
+            )));
+        }
+        t.req.name = Some(name.clone());
+        let id = t.id.clone();
+        let r = self.to_sandbox(&id, t.into(), io);
+        if r.is_err() {
+            if let Err(e) = self.db.delete_snapshot(&name) {
+                tracing::warn!("snapshot {name}: reservation not released: {e}");
+            }
+        }
+        r
+    }
+
     /// Spreads fork children over the fleet: the first stays with its parent, each other goes
     /// to another live node with room (least loaded first, round robin), the way any paused
     /// sandbox moves: paused on the parent's node, its upload awaited, taken in by the other
@@ -408,22 +433,25 @@ impl Fleet {
                 "no node of the fleet is live (no heartbeat within 10 s)".into(),
             ));
         }
-        if let Some(snap) = req.req.snapshot.clone() {
-            nodes = self.holding_snapshot(&nodes, &snap)?;
-        } else {
-            // Nodes that hold the template are preferred, by PULL_COST sandboxes' worth of
-            // load: a cold node pulls it (seconds) only when the warm ones are busier.
-            let t = req.req.template.as_deref().unwrap_or("default");
-            nodes.sort_by_key(|n| {
-                let cold = !n.node.templates.iter().any(|x| x == t);
-                (
-                    i64::from(n.node.running)
-                        + n.placed_recently
-                        + if cold { PULL_COST } else { 0 },
-                    n.node.id.clone(),
-                )
-            });
-        }
+        // Nodes that hold what the sandbox starts from are preferred, by PULL_COST sandboxes'
+        // worth of load: a cold node pulls it only when the warm ones are busier.
+        let warm: Box<dyn Fn(&NodeStatus) -> bool> = match req.req.snapshot.clone() {
+            Some(snap) => {
+                nodes = self.holding_snapshot(&nodes, &snap)?;
+                let origin = nodes[0].node.id.clone();
+                Box::new(move |n| n.node.id == origin)
+            }
+            None => {
+                let t = req.req.template.clone().unwrap_or_else(|| "default".into());
+                Box::new(move |n| n.node.templates.iter().any(|x| *x == t))
+            }
+        };
+        nodes.sort_by_key(|n| {
+            (
+                i64::from(n.node.running) + n.placed_recently + if warm(n) { 0 } else { PULL_COST },
+                n.node.id.clone(),
+            )
+        });
         let mut last = None;
         for n in nodes.iter().filter(|n| {
             i64::from(n.node.running) + n.placed_recently < i64::from(n.node.max_running)
@@ -455,27 +483,53 @@ impl Fleet {
         }))
     }
 
+    /// Where a create from named snapshot `name` may go: the node that took it first, then,
+    /// once it is uploaded, any other live node like it (which pulls it).
     fn holding_snapshot(
         &self,
         nodes: &[NodeStatus],
         name: &str,
     ) -> Result<Vec<NodeStatus>, RuntimeError> {
-        let mut out = Vec::new();
-        for n in nodes {
-            if let Ok(Reply::ListSnapshots(list)) = self
-                .client(n)
-                .handle(call::ListSnapshots {}.into(), Io::none())
-            {
-                if list.iter().any(|s| s.name == name) {
-                    out.push(n.clone());
-                }
-            }
+        let Some((origin, info, blob)) = self.db.snapshot(name).map_err(db_error)? else {
+            return Err(RuntimeError::NoSuchSnapshot(format!(
+                "no snapshot {name:?}"
+            )));
+        };
+        if info.is_none() {
+            return Err(RuntimeError::NoSuchSnapshot(format!(
+                "snapshot {name:?} is still being taken"
+            )));
+        }
+        let origin = origin.unwrap_or_default();
+        let like = self
+            .nodes_cached()?
+            .into_iter()
+            .find(|n| n.node.id == origin)
+            .map(|n| (n.node.host_kind, n.node.cpu_profile));
+        let mut out: Vec<NodeStatus> = nodes
+            .iter()
+            .filter(|n| n.node.id == origin)
+            .cloned()
+            .collect();
+        if blob.is_some() {
+            out.extend(
+                nodes
+                    .iter()
+                    .filter(|n| {
+                        n.node.id != origin
+                            && like.as_ref().is_none_or(|(k, p)| {
+                                *k == n.node.host_kind && *p == n.node.cpu_profile
+                            })
+                    })
+                    .cloned(),
+            );
         }
         if out.is_empty() {
             return Err(RuntimeError::NoSuchSnapshot(format!(
-                "no live node holds snapshot {name:?}"
+                "snapshot {name:?} is on node {origin}, which is down, and was not uploaded"
             )));
         }
+        // The caller prefers the first: the origin when it is live.
         Ok(out)
     }
 
@@ -509,6 +563,9 @@ impl Fleet {
 
 impl Handler for Fleet {
     fn handle(&self, req: Request, io: Io<'_>) -> Result<Reply, RuntimeError> {
+        if let Request::TakeSnapshot(t) = req {
+            return self.take_snapshot(t, io);
+        }
         if let Some(id) = req.sandbox().map(str::to_string) {
             return self.to_sandbox(&id, req, io);
         }
@@ -528,21 +585,25 @@ impl Handler for Fleet {
                 }
                 Ok(Reply::ListTemplates(all))
             }
-            r @ Request::ListSnapshots(_) => {
-                let mut all = Vec::new();
-                for (_, reply) in self.each(&r)? {
-                    if let Reply::ListSnapshots(l) = reply {
-                        all.extend(l);
-                    }
-                }
+            Request::ListSnapshots(_) => {
+                let all = self
+                    .db
+                    .snapshots()
+                    .map_err(db_error)?
+                    .into_iter()
+                    .filter_map(|v| serde_json::from_value(v).ok())
+                    .collect();
                 Ok(Reply::ListSnapshots(all))
             }
             Request::DeleteSnapshot(d) => {
                 let r: Request = d.clone().into();
+                // Every node's copy (the one that took it, those that pulled it), then the
+                // fleet's record. (Its chunks stay in the blob store: no collection yet.)
                 let mut deleted = false;
                 for (_, reply) in self.each(&r)? {
                     deleted |= matches!(reply, Reply::DeleteSnapshot(()));
                 }
+                deleted |= self.db.delete_snapshot(&d.name).map_err(db_error)?;
                 if deleted {
                     Ok(Reply::DeleteSnapshot(()))
                 } else {

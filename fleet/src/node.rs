@@ -190,14 +190,46 @@ async fn adopt(State(st): State<NodeState>, req: Request) -> Response {
     }
 }
 
-/// The node's runtime as the internal API serves it: a create of a template this node does
-/// not have pulls it from the blob store first.
+/// The node's runtime as the internal API serves it: a create of a template or a named
+/// snapshot this node does not have pulls it from the blob store first, and a named snapshot
+/// taken here is recorded in the directory and uploaded.
 #[derive(Debug, Clone)]
 pub struct NodeRuntime {
     /// The runtime.
     pub rt: Runtime,
     /// The blob store, if any.
     pub blobs: Option<Arc<Blobs>>,
+    /// The directory.
+    pub db: Arc<Db>,
+    /// The node's hooks (its upload queue).
+    pub hooks: Arc<NodeHooks>,
+}
+
+impl NodeRuntime {
+    /// Pulls named snapshot `name` when this node lacks it and the directory has its upload.
+    fn pull_snapshot(&self, blobs: &Blobs, name: &str) -> Result<(), ember_runtime::RuntimeError> {
+        if self.rt.export_snapshot(name).is_ok() {
+            return Ok(());
+        }
+        let Ok(Some((_, _, Some(blob)))) = self.db.snapshot(name) else {
+            return Ok(()); // the runtime says it has none
+        };
+        let t0 = std::time::Instant::now();
+        match crate::transfer::import_snapshot(blobs, &self.rt, name, &blob) {
+            Ok((_, m)) => {
+                tracing::info!(
+                    "snapshot {name}: pulled ({} MiB of data, {} KiB fetched) in {:.0} ms",
+                    m.data >> 20,
+                    m.bytes_moved >> 10,
+                    t0.elapsed().as_secs_f64() * 1e3
+                );
+                Ok(())
+            }
+            Err(e) => Err(ember_runtime::RuntimeError::Unreachable(format!(
+                "snapshot {name} could not be pulled: {e}"
+            ))),
+        }
+    }
 }
 
 impl Handler for NodeRuntime {
@@ -206,8 +238,19 @@ impl Handler for NodeRuntime {
         req: Call,
         io: Io<'_>,
     ) -> Result<ember_runtime::call::Reply, ember_runtime::RuntimeError> {
+        if let Call::TakeSnapshot(_) = &req {
+            let r = self.rt.handle(req, io);
+            if let Ok(ember_runtime::call::Reply::TakeSnapshot(info)) = &r {
+                if let Ok((_, dir)) = self.rt.export_snapshot(&info.name) {
+                    self.hooks.snapshot_taken(info, &dir);
+                }
+            }
+            return r;
+        }
         if let (Call::Create(c), Some(blobs)) = (&req, &self.blobs) {
-            if c.req.snapshot.is_none() {
+            if let Some(name) = &c.req.snapshot {
+                self.pull_snapshot(blobs, name)?;
+            } else {
                 let name = c.req.template.as_deref().unwrap_or("default");
                 if ember_runtime::Template::open(name).is_err() {
                     match crate::transfer::open_or_pull(Some(blobs), name, None) {

@@ -320,6 +320,110 @@ struct PauseMeta {
     base_is_template: bool,
 }
 
+/// The regular files of `dir` to upload, by name, without the host's disk list and `skip`.
+fn snapshot_files(dir: &Path, skip: Option<&str>) -> Result<Vec<(String, PathBuf)>, FleetError> {
+    let mut names: Vec<String> = Vec::new();
+    for e in std::fs::read_dir(dir).map_err(io("cannot list", dir))? {
+        let e = e.map_err(io("cannot list", dir))?;
+        let n = e.file_name().to_string_lossy().into_owned();
+        if !e.path().is_file() || n == ember_runtime::jailed::DISKS_FILE || Some(n.as_str()) == skip
+        {
+            continue;
+        }
+        names.push(n);
+    }
+    names.sort();
+    Ok(names.iter().map(|n| (n.clone(), dir.join(n))).collect())
+}
+
+/// A named snapshot's bundle meta.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct SnapshotMeta {
+    info: ember_runtime::SnapshotInfo,
+    template: String,
+    key: String,
+}
+
+/// Uploads named snapshot `info` (its directory `dir`); returns the bundle and what moved.
+pub fn upload_snapshot(
+    blobs: &Blobs,
+    info: &ember_runtime::SnapshotInfo,
+    dir: &Path,
+) -> Result<(String, Moved), FleetError> {
+    let name = info.template.clone().ok_or_else(|| {
+        FleetError::Blob(format!(
+            "snapshot {}: no template: it cannot move",
+            info.name
+        ))
+    })?;
+    let t = Template::open(&name)
+        .map_err(|e| FleetError::Blob(format!("snapshot {}: its template: {e}", info.name)))?;
+    let disks = ember_runtime::jailed::snapshot_disks(dir)
+        .map_err(|e| FleetError::Blob(format!("snapshot {}: {e}", info.name)))?;
+    local_disks(disks, &t.info.rootfs, &t.info.rootfs)?;
+    let files = snapshot_files(dir, None)?;
+    let meta = SnapshotMeta {
+        info: info.clone(),
+        template: t.name().to_string(),
+        key: t.info.key.clone(),
+    };
+    let meta = serde_json::to_value(&meta).map_err(|e| FleetError::Io(e.to_string()))?;
+    blobs.put_bundle("snapshot", &files, meta).map_err(blob_err)
+}
+
+/// Takes in named snapshot `name` from bundle `blob` (pulling its template first when this
+/// host lacks it).
+pub fn import_snapshot(
+    blobs: &Blobs,
+    rt: &Runtime,
+    name: &str,
+    blob: &str,
+) -> Result<(ember_runtime::SnapshotInfo, Moved), FleetError> {
+    let bundle = blobs.get_bundle(blob).map_err(blob_err)?;
+    if bundle.kind != "snapshot" {
+        return Err(FleetError::Blob(format!(
+            "bundle {blob} is not a named snapshot"
+        )));
+    }
+    let meta: SnapshotMeta = serde_json::from_value(bundle.meta.clone())
+        .map_err(|e| FleetError::Blob(format!("bundle {blob}: {e}")))?;
+    if meta.info.name != name {
+        return Err(FleetError::Blob(format!(
+            "bundle {blob} is snapshot {}, not {name}",
+            meta.info.name
+        )));
+    }
+    let t = open_or_pull(Some(blobs), &meta.template, Some(&meta.key))?;
+    let stage = rt
+        .config()
+        .snapshots_dir()
+        .join(format!(".in-{name}-{}", ember_runtime::paths::random_id()));
+    let r = (|| {
+        let moved = blobs.get_files(&bundle, &stage).map_err(blob_err)?;
+        let disks = ember_runtime::jailed::snapshot_disks(&stage)
+            .map_err(|e| FleetError::Blob(format!("bundle {blob}: {e}")))?;
+        let disks: Vec<SnapshotDisk> = disks
+            .into_iter()
+            .map(|d| match d {
+                SnapshotDisk::Overlay { .. } => SnapshotDisk::Overlay {
+                    base: t.info.rootfs.clone(),
+                },
+                raw => raw,
+            })
+            .collect();
+        ember_runtime::jailed::write_disks(&stage, &disks)
+            .map_err(|e| FleetError::Io(e.to_string()))?;
+        let info = rt
+            .import_snapshot(meta.info.clone(), &stage)
+            .map_err(|e| FleetError::Blob(e.to_string()))?;
+        Ok((info, moved))
+    })();
+    if r.is_err() {
+        let _ = std::fs::remove_dir_all(&stage);
+    }
+    r
+}
+
 /// Uploads paused sandbox `row`'s snapshot in `dir`; returns the bundle and what moved.
 pub fn upload_pause(
     blobs: &Blobs,
@@ -342,24 +446,14 @@ pub fn upload_pause(
         _ => false,
     };
     let base_is_template = base.exists() && same(&base, &tmem);
-    let mut names: Vec<String> = Vec::new();
-    for e in std::fs::read_dir(dir).map_err(io("cannot list", dir))? {
-        let e = e.map_err(io("cannot list", dir))?;
-        let n = e.file_name().to_string_lossy().into_owned();
-        if !e.path().is_file()
-            || n == ember_runtime::jailed::DISKS_FILE
-            || (base_is_template && n == ember_snapshot::BASE_MEMORY_FILE)
-        {
-            continue;
-        }
-        names.push(n);
-    }
-    names.sort();
+    let files = snapshot_files(
+        dir,
+        base_is_template.then_some(ember_snapshot::BASE_MEMORY_FILE),
+    )?;
     // Its disks must be over its template's image (what the taker has).
     let disks = ember_runtime::jailed::snapshot_disks(dir)
         .map_err(|e| FleetError::Blob(format!("sandbox {}: {e}", row.id)))?;
     local_disks(disks, &t.info.rootfs, &t.info.rootfs)?;
-    let files: Vec<(String, PathBuf)> = names.iter().map(|n| (n.clone(), dir.join(n))).collect();
     let meta = PauseMeta {
         row: row.clone(),
         template: t.name().to_string(),
@@ -447,10 +541,18 @@ pub fn import_pause(
 }
 
 /// An upload to do.
-struct Upload {
-    row: SandboxRow,
-    dir: PathBuf,
-    gen: i64,
+enum Upload {
+    /// A pause (generation `gen`).
+    Pause {
+        row: SandboxRow,
+        dir: PathBuf,
+        gen: i64,
+    },
+    /// A named snapshot.
+    Snapshot {
+        info: ember_runtime::SnapshotInfo,
+        dir: PathBuf,
+    },
 }
 
 /// The node's [`LifecycleHooks`]: a pause is recorded in the directory at once and uploaded
@@ -509,9 +611,22 @@ impl NodeHooks {
                 continue;
             };
             if let Ok(Some(gen)) = self.db.pending_upload(&s.id, &self.node) {
-                self.queue(Upload { row, dir, gen });
+                self.queue(Upload::Pause { row, dir, gen });
             }
         }
+    }
+
+    /// Named snapshot `info` was taken here (in `dir`): recorded in the directory at once,
+    /// uploaded by the upload thread.
+    pub fn snapshot_taken(&self, info: &ember_runtime::SnapshotInfo, dir: &Path) {
+        let json = serde_json::to_value(info).unwrap_or_default();
+        if let Err(e) = self.db.set_snapshot(&info.name, &self.node, &json, None) {
+            tracing::warn!("snapshot {}: not recorded in the directory: {e}", info.name);
+        }
+        self.queue(Upload::Snapshot {
+            info: info.clone(),
+            dir: dir.to_path_buf(),
+        });
     }
 
     fn queue(&self, u: Upload) {
@@ -523,6 +638,13 @@ impl NodeHooks {
 }
 
 fn upload_with_retries(blobs: &Blobs, db: &Db, node: &str, u: Upload) {
+    let (row, dir, gen) = match u {
+        Upload::Pause { row, dir, gen } => (row, dir, gen),
+        Upload::Snapshot { info, dir } => {
+            return upload_snapshot_with_retries(blobs, db, node, &info, &dir)
+        }
+    };
+    let u = PauseUpload { row, dir, gen };
     let id = &u.row.id;
     for attempt in 1..=UPLOAD_TRIES {
         if !u.dir.exists() {
@@ -560,10 +682,58 @@ fn upload_with_retries(blobs: &Blobs, db: &Db, node: &str, u: Upload) {
     }
 }
 
+/// A pause's upload, taken apart.
+struct PauseUpload {
+    row: SandboxRow,
+    dir: PathBuf,
+    gen: i64,
+}
+
+fn upload_snapshot_with_retries(
+    blobs: &Blobs,
+    db: &Db,
+    node: &str,
+    info: &ember_runtime::SnapshotInfo,
+    dir: &Path,
+) {
+    for attempt in 1..=UPLOAD_TRIES {
+        if !dir.exists() {
+            return; // deleted meanwhile
+        }
+        let t0 = Instant::now();
+        match upload_snapshot(blobs, info, dir) {
+            Ok((bundle, m)) => {
+                let json = serde_json::to_value(info).unwrap_or_default();
+                match db.set_snapshot(&info.name, node, &json, Some(&bundle)) {
+                    Ok(()) => tracing::info!(
+                        "snapshot {}: uploaded as bundle {} ({} MiB of data, {} KiB sent) in \
+                         {:.0} ms",
+                        info.name,
+                        &bundle[..12],
+                        m.data >> 20,
+                        m.bytes_moved >> 10,
+                        t0.elapsed().as_secs_f64() * 1e3
+                    ),
+                    Err(e) => tracing::warn!("snapshot {}: upload not recorded: {e}", info.name),
+                }
+                return;
+            }
+            Err(e) if attempt < UPLOAD_TRIES => {
+                tracing::warn!("snapshot {}: upload failed (try {attempt}): {e}", info.name);
+                std::thread::sleep(Duration::from_millis(500 << attempt));
+            }
+            Err(e) => tracing::error!(
+                "snapshot {}: upload failed {UPLOAD_TRIES} times, it stays on this node: {e}",
+                info.name
+            ),
+        }
+    }
+}
+
 impl LifecycleHooks for NodeHooks {
     fn paused(&self, row: &SandboxRow, dir: &Path) {
         match self.db.set_paused(&row.id, &self.node) {
-            Ok(Some(gen)) => self.queue(Upload {
+            Ok(Some(gen)) => self.queue(Upload::Pause {
                 row: row.clone(),
                 dir: dir.to_path_buf(),
                 gen,

@@ -129,6 +129,41 @@ impl Runtime {
         Ok(row.info())
     }
 
+    /// Named snapshot `name` and its directory (what another host needs to restore from it).
+    pub fn export_snapshot(&self, name: &str) -> Result<(SnapshotInfo, PathBuf), RuntimeError> {
+        crate::lifecycle::check_name(name)?;
+        self.store()
+            .snapshot(name)?
+            .ok_or_else(|| RuntimeError::NoSuchSnapshot(format!("no snapshot {name:?}")))
+    }
+
+    /// Takes in a named snapshot made on another host: `staged` (a directory on this host's
+    /// state file system holding it, with this host's disk paths) becomes the snapshot
+    /// `info.name`. Refused when this host has a snapshot of that name.
+    pub fn import_snapshot(
+        &self,
+        info: SnapshotInfo,
+        staged: &Path,
+    ) -> Result<SnapshotInfo, RuntimeError> {
+        crate::lifecycle::check_name(&info.name)?;
+        if self.store().snapshot(&info.name)?.is_some() {
+            return Err(RuntimeError::Invalid(format!(
+                "a snapshot named {:?} exists",
+                info.name
+            )));
+        }
+        let dest = self.inner.cfg.snapshots_dir().join(&info.name);
+        std::fs::rename(staged, &dest).map_err(RuntimeError::io("cannot move in", staged))?;
+        if let Err(e) = self
+            .store()
+            .put_snapshot(&info, &dest, crate::store::now_ms())
+        {
+            let _ = std::fs::remove_dir_all(&dest);
+            return Err(e.into());
+        }
+        Ok(info)
+    }
+
     /// Drops every trace of sandbox `id` on this host — its VM (stopped), snapshot, files and
     /// records — because it lives elsewhere now (`why` goes to the log). A no-op for an id
     /// this host does not know.
