@@ -443,7 +443,7 @@ impl Fleet {
             }
             None => {
                 let t = req.req.template.clone().unwrap_or_else(|| "default".into());
-                Box::new(move |n| n.node.templates.iter().any(|x| *x == t))
+                Box::new(move |n| n.node.templates.contains(&t))
             }
         };
         nodes.sort_by_key(|n| {

@@ -544,7 +544,7 @@ pub fn import_pause(
 enum Upload {
     /// A pause (generation `gen`).
     Pause {
-        row: SandboxRow,
+        row: Box<SandboxRow>,
         dir: PathBuf,
         gen: i64,
     },
@@ -611,7 +611,11 @@ impl NodeHooks {
                 continue;
             };
             if let Ok(Some(gen)) = self.db.pending_upload(&s.id, &self.node) {
-                self.queue(Upload::Pause { row, dir, gen });
+                self.queue(Upload::Pause {
+                    row: Box::new(row),
+                    dir,
+                    gen,
+                });
             }
         }
     }
@@ -644,7 +648,11 @@ fn upload_with_retries(blobs: &Blobs, db: &Db, node: &str, u: Upload) {
             return upload_snapshot_with_retries(blobs, db, node, &info, &dir)
         }
     };
-    let u = PauseUpload { row, dir, gen };
+    let u = PauseUpload {
+        row: *row,
+        dir,
+        gen,
+    };
     let id = &u.row.id;
     for attempt in 1..=UPLOAD_TRIES {
         if !u.dir.exists() {
@@ -734,7 +742,7 @@ impl LifecycleHooks for NodeHooks {
     fn paused(&self, row: &SandboxRow, dir: &Path) {
         match self.db.set_paused(&row.id, &self.node) {
             Ok(Some(gen)) => self.queue(Upload::Pause {
-                row: row.clone(),
+                row: Box::new(row.clone()),
                 dir: dir.to_path_buf(),
                 gen,
             }),
