@@ -26,6 +26,8 @@
 //!   other gateway continues it on another node with its interpreter state; the node, back,
 //!   drops its stale copy.
 //!
+//! - with a node down, a sandbox's artifacts (from S3) and audit log (from PostgreSQL) are
+//!   read through a gateway;
 //! - a fork's children spread over the nodes, each with its parent's state;
 //! - a drain: every sandbox of the drained node continues on another, state intact.
 //!
@@ -401,6 +403,8 @@ impl Cluster {
             self.dir.path().join("node-token").display().to_string(),
             "--token-file".into(),
             self.dir.path().join("gw-token").display().to_string(),
+            "--blobs".into(),
+            BLOBS.into(),
         ]
     }
 
@@ -786,6 +790,37 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
         "{from}: {}",
         line.split("INFO").last().unwrap_or(&line).trim()
     );
+    // Another sandbox of that node makes an artifact (collected, uploaded) and leaves an
+    // audit trail: both stay readable through a gateway while the node is down.
+    let (art, _) = ids
+        .iter()
+        .find(|(id, _)| {
+            *id != mv && c.sql(&format!("SELECT node FROM sandboxes WHERE id = '{id}'")) == from
+        })
+        .expect("another sandbox on the node")
+        .clone();
+    c.ember_ok(
+        1,
+        &[
+            "code",
+            &art,
+            "open('/workspace/outputs/fleet.txt', 'w').write('made before its node went away')",
+        ],
+    );
+    c.ember_ok(1, &["artifacts", &art, "--collect"]);
+    while c.sql(&format!(
+        "SELECT artifacts IS NOT NULL FROM sandboxes WHERE id = '{art}'"
+    )) != "t"
+    {
+        assert!(
+            t_up.elapsed() < Duration::from_secs(60),
+            "the artifacts of {art} were not uploaded:\n{}",
+            c.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The next heartbeat ships the audit records.
+    std::thread::sleep(Duration::from_millis(1500));
     c.stop(&from);
     // The node said it stopped (gateways read liveness at most a second old).
     let stopped = c
@@ -805,6 +840,33 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
         "cross-node resume {from} -> {to}: {moved_ms:.0} ms to the first result ({})",
         line.split("INFO").last().unwrap_or(&line).trim()
     );
+    let listed = c.ember_ok(2, &["artifacts", &art]);
+    assert!(
+        listed.contains("fleet.txt"),
+        "artifacts of {art} with its node down: {listed}"
+    );
+    let got = c.dir.path().join("fleet.txt");
+    c.ember_ok(
+        2,
+        &[
+            "artifacts",
+            &art,
+            "--get",
+            "fleet.txt",
+            "-o",
+            got.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(
+        std::fs::read_to_string(&got).unwrap(),
+        "made before its node went away"
+    );
+    let logs = c.ember_ok(1, &["logs", &art]);
+    assert!(
+        logs.contains("run_code") && logs.contains("collect_artifacts"),
+        "audit of {art} with its node down: {logs}"
+    );
+
     // The node comes back: its other sandboxes are re-adopted, its copy of the moved one
     // dropped.
     let n: u8 = from[1..].parse().unwrap();

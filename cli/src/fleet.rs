@@ -79,6 +79,10 @@ pub struct GatewayArgs {
     /// After SIGINT/SIGTERM, how long open streams may go on, seconds.
     #[arg(long, value_name = "SECS", default_value_t = 10)]
     pub shutdown_grace: u64,
+    /// The fleet's blob store (as for `ember node --blobs`): artifacts of sandboxes whose
+    /// node is gone are read from it.
+    #[arg(long, env = "EMBER_BLOBS", value_name = "URL")]
+    pub blobs: Option<String>,
 }
 
 /// `ember cluster`.
@@ -258,7 +262,14 @@ pub fn gateway_main(a: GatewayArgs) -> ExitCode {
         Ok(db) => Arc::new(db),
         Err(e) => return fail(e),
     };
-    let fleet = Arc::new(Fleet::new(db, node_token, a.max_upload_mib << 20));
+    let mut fleet = Fleet::new(db, node_token, a.max_upload_mib << 20);
+    if let Some(url) = &a.blobs {
+        match ember_fleet::blobs::Blobs::open(url) {
+            Ok(b) => fleet = fleet.with_blobs(Arc::new(b)),
+            Err(e) => return fail(e),
+        }
+    }
+    let fleet = Arc::new(fleet);
     let opts = ServeOptions {
         listen: a.listen,
         token_file: a.token_file.clone(),

@@ -619,6 +619,49 @@ impl Blobs {
         })
     }
 
+    /// Writes `f`'s bytes, in order, to `out` (holes as zeros); every chunk is checked.
+    /// Returns the length.
+    pub fn read_file(
+        &self,
+        f: &BundleFile,
+        out: &mut dyn std::io::Write,
+    ) -> Result<u64, BlobError> {
+        let mut at = 0u64;
+        let zeros = vec![0u8; 64 << 10];
+        let pad = |out: &mut dyn std::io::Write, mut n: u64| -> Result<(), BlobError> {
+            while n > 0 {
+                let k = n.min(zeros.len() as u64) as usize;
+                out.write_all(&zeros[..k])
+                    .map_err(io_err("cannot send", Path::new(&f.name)))?;
+                n -= k as u64;
+            }
+            Ok(())
+        };
+        for c in &f.chunks {
+            pad(out, c.at - at)?;
+            let key = format!("chunks/{}", c.sha256);
+            let z = self
+                .rt
+                .block_on(self.get_async(&key, (CHUNK as usize) * 2))?;
+            let data =
+                zstd::bulk::decompress(&z, c.len as usize).map_err(|e| BlobError::Corrupt {
+                    key: key.clone(),
+                    why: format!("does not decompress: {e}"),
+                })?;
+            if data.len() as u64 != c.len || sha256_hex(&data) != c.sha256 {
+                return Err(BlobError::Corrupt {
+                    key,
+                    why: "its bytes are not what the manifest says".into(),
+                });
+            }
+            out.write_all(&data)
+                .map_err(io_err("cannot send", Path::new(&f.name)))?;
+            at = c.at + c.len;
+        }
+        pad(out, f.len - at)?;
+        Ok(f.len)
+    }
+
     /// Writes every file of `bundle` into directory `dir` (made if absent).
     pub fn get_files(&self, bundle: &Bundle, dir: &Path) -> Result<Moved, BlobError> {
         let mut moved = Moved::default();

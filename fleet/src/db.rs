@@ -68,6 +68,20 @@ const MIGRATIONS: &[&str] = &[
         blob TEXT,
         created_at TIMESTAMPTZ NOT NULL DEFAULT now()
     );",
+    // 5: what outlives a node: each sandbox's artifacts (the bundle of its last collection)
+    // and every node's audit log (shipped each heartbeat; `seq` is the node's own).
+    "ALTER TABLE sandboxes ADD COLUMN artifacts TEXT;
+    CREATE TABLE audit (
+        id BIGSERIAL PRIMARY KEY,
+        node TEXT NOT NULL,
+        seq BIGINT NOT NULL,
+        sandbox TEXT,
+        call TEXT NOT NULL,
+        outcome TEXT NOT NULL,
+        record JSONB NOT NULL,
+        UNIQUE (node, seq)
+    );
+    CREATE INDEX audit_sandbox ON audit (sandbox, id);",
 ];
 
 /// How a heartbeat's list is trusted: a sandbox created or moved this recently is not marked
@@ -656,6 +670,89 @@ impl Db {
                 .execute("DELETE FROM snapshots WHERE name = $1", &[&name])
                 .map_err(db_err("deleting a snapshot"))?;
             Ok(n == 1)
+        })
+    }
+
+    /// Records the bundle of sandbox `id`'s artifacts (its last collection).
+    pub fn set_artifacts(&self, id: &str, blob: &str) -> Result<(), FleetError> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE sandboxes SET artifacts = $2 WHERE id = $1",
+                &[&id, &blob],
+            )
+            .map_err(db_err("recording artifacts"))?;
+            Ok(())
+        })
+    }
+
+    /// The bundle of sandbox `id`'s artifacts, if any were uploaded.
+    pub fn artifacts(&self, id: &str) -> Result<Option<String>, FleetError> {
+        self.with(|c| {
+            let row = c
+                .query_opt("SELECT artifacts FROM sandboxes WHERE id = $1", &[&id])
+                .map_err(db_err("reading artifacts"))?;
+            Ok(row.and_then(|r| r.get(0)))
+        })
+    }
+
+    /// The highest audit sequence number of `node` shipped so far (0: none).
+    pub fn last_audit_seq(&self, node: &str) -> Result<i64, FleetError> {
+        self.with(|c| {
+            let row = c
+                .query_one(
+                    "SELECT COALESCE(max(seq), 0)::bigint FROM audit WHERE node = $1",
+                    &[&node],
+                )
+                .map_err(db_err("reading the audit log"))?;
+            Ok(row.get(0))
+        })
+    }
+
+    /// Ships `node`'s audit records (those already there are skipped).
+    pub fn put_audit(
+        &self,
+        node: &str,
+        records: &[ember_runtime::AuditRecord],
+    ) -> Result<(), FleetError> {
+        self.with(|c| {
+            let mut tx = c.transaction().map_err(db_err("shipping the audit log"))?;
+            for r in records {
+                let json = serde_json::to_value(r).unwrap_or_default();
+                tx.execute(
+                    "INSERT INTO audit (node, seq, sandbox, call, outcome, record)
+                     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (node, seq) DO NOTHING",
+                    &[&node, &r.seq, &r.sandbox, &r.call, &r.outcome, &json],
+                )
+                .map_err(db_err("shipping the audit log"))?;
+            }
+            tx.commit().map_err(db_err("shipping the audit log"))?;
+            Ok(())
+        })
+    }
+
+    /// The shipped audit records of the nodes in `nodes` that match `f` (oldest first).
+    pub fn audit(
+        &self,
+        nodes: &[String],
+        f: &ember_runtime::AuditFilter,
+    ) -> Result<Vec<ember_runtime::AuditRecord>, FleetError> {
+        let limit = f.limit.unwrap_or(1000).clamp(1, 100_000) as i64;
+        self.with(|c| {
+            let rows = c
+                .query(
+                    "SELECT record FROM (
+                        SELECT id, record FROM audit
+                        WHERE node = ANY($1) AND ($2::text IS NULL OR sandbox = $2)
+                          AND ($3::text IS NULL OR call = $3)
+                          AND ($4::text IS NULL OR outcome = $4)
+                        ORDER BY id DESC LIMIT $5) r ORDER BY id",
+                    &[&nodes, &f.sandbox, &f.call, &f.outcome, &limit],
+                )
+                .map_err(db_err("reading the audit log"))?;
+            Ok(rows
+                .iter()
+                .filter_map(|r| serde_json::from_value(r.get(0)).ok())
+                .collect())
         })
     }
 

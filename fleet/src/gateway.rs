@@ -40,6 +40,8 @@ pub struct Fleet {
     clients: Mutex<HashMap<String, (String, Arc<NodeClient>)>>,
     /// The nodes as last read (at most [`NODES_FRESH`] old): whether a route's node is up.
     nodes: Mutex<Option<(std::time::Instant, Vec<NodeStatus>)>>,
+    /// The blob store (artifacts of sandboxes whose node is gone).
+    blobs: Option<Arc<crate::blobs::Blobs>>,
 }
 
 /// What placement counts a node's lack of the template as: this many sandboxes of load.
@@ -66,6 +68,80 @@ impl Fleet {
             routes: Mutex::new(HashMap::new()),
             clients: Mutex::new(HashMap::new()),
             nodes: Mutex::new(None),
+            blobs: None,
+        }
+    }
+
+    /// Reads from the blob store what outlives a node (artifacts).
+    pub fn with_blobs(mut self, blobs: Arc<crate::blobs::Blobs>) -> Fleet {
+        self.blobs = Some(blobs);
+        self
+    }
+
+    /// Sandbox `id`'s artifacts as uploaded (the bundle of its last collection), when its
+    /// node cannot say: `None` when none were uploaded.
+    fn uploaded_artifacts(&self, id: &str) -> Result<Option<crate::blobs::Bundle>, RuntimeError> {
+        let Some(blobs) = &self.blobs else {
+            return Ok(None);
+        };
+        let Some(hash) = self.db.artifacts(id).map_err(db_error)? else {
+            return Ok(None);
+        };
+        blobs
+            .get_bundle(&hash)
+            .map(Some)
+            .map_err(|e| RuntimeError::Unreachable(e.to_string()))
+    }
+
+    /// `Artifacts` and `ReadArtifact`: from the sandbox's node, else (the node is down or
+    /// gone, or forgot the sandbox) from the blob store.
+    fn artifacts_call(
+        &self,
+        id: &str,
+        req: Request,
+        mut io: Io<'_>,
+    ) -> Result<Reply, RuntimeError> {
+        let first = self.to_sandbox(id, req.clone(), io.reborrow());
+        let e = match first {
+            Err(e @ (RuntimeError::NotFound(_) | RuntimeError::Unreachable(_))) => e,
+            other => return other,
+        };
+        let Some(bundle) = self.uploaded_artifacts(id)? else {
+            return Err(e);
+        };
+        let at = bundle.meta["collected_at"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        match req {
+            Request::Artifacts(_) => Ok(Reply::Artifacts(
+                bundle
+                    .files
+                    .iter()
+                    .map(|f| ember_runtime::ArtifactInfo {
+                        path: f.name.clone(),
+                        size: f.len,
+                        collected_at: at.clone(),
+                    })
+                    .collect(),
+            )),
+            Request::ReadArtifact(r) => {
+                let f = bundle.file(&r.path).ok_or_else(|| {
+                    RuntimeError::NoSuchArtifact(format!("no artifact {:?}", r.path))
+                })?;
+                let out = io.output.ok_or_else(|| {
+                    RuntimeError::Internal("read_artifact without a place for the bytes".into())
+                })?;
+                let blobs = self
+                    .blobs
+                    .as_ref()
+                    .ok_or_else(|| RuntimeError::Internal("no blob store".into()))?;
+                blobs
+                    .read_file(f, out)
+                    .map(Reply::ReadArtifact)
+                    .map_err(|e| RuntimeError::Unreachable(e.to_string()))
+            }
+            _ => Err(e),
         }
     }
 
@@ -566,6 +642,12 @@ impl Handler for Fleet {
         if let Request::TakeSnapshot(t) = req {
             return self.take_snapshot(t, io);
         }
+        if let Request::Artifacts(call::Artifacts { id })
+        | Request::ReadArtifact(call::ReadArtifact { id, .. }) = &req
+        {
+            let id = id.clone();
+            return self.artifacts_call(&id, req, io);
+        }
         if let Some(id) = req.sandbox().map(str::to_string) {
             return self.to_sandbox(&id, req, io);
         }
@@ -613,14 +695,35 @@ impl Handler for Fleet {
                     )))
                 }
             }
-            r @ Request::Audit(_) => {
+            Request::Audit(call::Audit { filter }) => {
+                // The live nodes' own logs (up to the call), and what the others shipped to
+                // the directory before they went away.
+                let r: Request = call::Audit {
+                    filter: filter.clone(),
+                }
+                .into();
                 let mut all = Vec::new();
-                for (_, reply) in self.each(&r)? {
+                let mut answered = Vec::new();
+                for (node, reply) in self.each(&r)? {
                     if let Reply::Audit(l) = reply {
                         all.extend(l);
+                        answered.push(node);
                     }
                 }
+                let others: Vec<String> = self
+                    .nodes_cached()?
+                    .into_iter()
+                    .map(|n| n.node.id)
+                    .filter(|n| !answered.contains(n))
+                    .collect();
+                if !others.is_empty() {
+                    all.extend(self.db.audit(&others, &filter).map_err(db_error)?);
+                }
                 all.sort_by(|a: &ember_runtime::AuditRecord, b| a.at.cmp(&b.at));
+                let limit = filter.limit.unwrap_or(1000).clamp(1, 100_000);
+                if all.len() > limit {
+                    all.drain(..all.len() - limit);
+                }
                 Ok(Reply::Audit(all))
             }
             r @ Request::GetMetrics(_) => {

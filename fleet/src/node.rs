@@ -412,7 +412,7 @@ fn run(
     if let Some(r) = reader.as_mut() {
         io.input = Some(r);
     }
-    if matches!(request, Call::ReadFile(_)) {
+    if matches!(request, Call::ReadFile(_) | Call::ReadArtifact(_)) {
         io.output = Some(&mut out);
     }
     let result = handler.handle(request, io);
@@ -561,12 +561,27 @@ pub fn start_heartbeat(
     hooks: Option<Arc<NodeHooks>>,
 ) -> Result<i64, FleetError> {
     let epoch = db.register(&record(&cfg, &rt))?;
+    // The audit log is shipped to the directory each beat, from where the last beat left it.
+    let mut shipped = db.last_audit_seq(&cfg.id)?;
     std::thread::Builder::new()
         .name("ember-heartbeat".into())
         .spawn(move || {
             let mut failing = false;
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(HEARTBEAT);
+                let filter = ember_runtime::AuditFilter {
+                    after: Some(shipped),
+                    limit: Some(5000),
+                    ..Default::default()
+                };
+                if let Ok(records) = rt.audit(&filter) {
+                    if let Some(last) = records.last().map(|r| r.seq) {
+                        match db.put_audit(&cfg.id, &records) {
+                            Ok(()) => shipped = last,
+                            Err(e) => tracing::debug!("audit not shipped (next beat): {e}"),
+                        }
+                    }
+                }
                 // Only with a complete list may the directory mark the others ended.
                 let r = match live(&rt) {
                     Ok(l) => {

@@ -553,6 +553,71 @@ enum Upload {
         info: ember_runtime::SnapshotInfo,
         dir: PathBuf,
     },
+    /// A sandbox's artifacts.
+    Artifacts { id: String, dir: PathBuf },
+}
+
+/// The files under `dir`, by their path relative to it (`a/b.png`), sorted; temporary files
+/// of a collection under way are left out.
+fn tree_files(dir: &Path) -> Result<Vec<(String, PathBuf)>, FleetError> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).map_err(io("cannot list", &d))? {
+            let e = e.map_err(io("cannot list", &d))?;
+            let p = e.path();
+            let ft = e.file_type().map_err(io("cannot stat", &p))?;
+            if ft.is_dir() {
+                todo.push(p);
+            } else if ft.is_file() && p.extension().is_none_or(|x| x != "ember-partial") {
+                if let Ok(rel) = p.strip_prefix(dir) {
+                    out.push((rel.to_string_lossy().into_owned(), p.clone()));
+                }
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Uploads sandbox `id`'s artifacts (the directory they were collected into).
+pub fn upload_artifacts(
+    blobs: &Blobs,
+    id: &str,
+    dir: &Path,
+) -> Result<(String, Moved), FleetError> {
+    let files = tree_files(dir)?;
+    let meta = serde_json::json!({
+        "sandbox": id,
+        "collected_at": ember_runtime::store::rfc3339(ember_runtime::store::now_ms()),
+    });
+    blobs
+        .put_bundle("artifacts", &files, meta)
+        .map_err(blob_err)
+}
+
+fn upload_artifacts_with_retries(blobs: &Blobs, db: &Db, id: &str, dir: &Path) {
+    for attempt in 1..=UPLOAD_TRIES {
+        match upload_artifacts(blobs, id, dir)
+            .and_then(|(b, m)| db.set_artifacts(id, &b).map(|()| (b, m)))
+        {
+            Ok((b, m)) => {
+                tracing::info!(
+                    "sandbox {id}: artifacts uploaded as bundle {} ({} KiB)",
+                    &b[..12],
+                    m.data >> 10
+                );
+                return;
+            }
+            Err(e) if attempt < UPLOAD_TRIES => {
+                tracing::warn!("sandbox {id}: artifacts upload failed (try {attempt}): {e}");
+                std::thread::sleep(Duration::from_millis(500 << attempt));
+            }
+            Err(e) => {
+                tracing::error!("sandbox {id}: artifacts not uploaded ({UPLOAD_TRIES} tries): {e}")
+            }
+        }
+    }
 }
 
 /// The node's [`LifecycleHooks`]: a pause is recorded in the directory at once and uploaded
@@ -646,6 +711,9 @@ fn upload_with_retries(blobs: &Blobs, db: &Db, node: &str, u: Upload) {
         Upload::Pause { row, dir, gen } => (row, dir, gen),
         Upload::Snapshot { info, dir } => {
             return upload_snapshot_with_retries(blobs, db, node, &info, &dir)
+        }
+        Upload::Artifacts { id, dir } => {
+            return upload_artifacts_with_retries(blobs, db, &id, &dir)
         }
     };
     let u = PauseUpload {
@@ -752,6 +820,13 @@ impl LifecycleHooks for NodeHooks {
                 row.id
             ),
         }
+    }
+
+    fn artifacts_collected(&self, id: &str, dir: &Path) {
+        self.queue(Upload::Artifacts {
+            id: id.to_string(),
+            dir: dir.to_path_buf(),
+        });
     }
 
     fn resuming(&self, id: &str) -> ResumeVerdict {

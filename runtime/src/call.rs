@@ -23,7 +23,6 @@
 //! runtime method it calls, and the route that sends it.
 
 use std::io::{Read, Write};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -351,8 +350,8 @@ calls! {
     CollectArtifacts "collect_artifacts" { id: String } -> Vec<ArtifactInfo>;
     /// A sandbox's artifacts.
     Artifacts "artifacts" { id: String } -> Vec<ArtifactInfo>;
-    /// The host path of one artifact.
-    ArtifactPath "artifact_path" { id: String, path: String } -> PathBuf;
+    /// Writes one artifact's bytes to `Io::output`; returns its length.
+    ReadArtifact "read_artifact" { id: String, path: String } -> u64;
     /// A sandbox's network: policy, ports, counters.
     GetNetwork "network" { id: String } -> NetworkInfo;
     /// Changes a sandbox's network policy.
@@ -421,7 +420,7 @@ addressed!(
     WatcherRemove,
     CollectArtifacts,
     Artifacts,
-    ArtifactPath,
+    ReadArtifact,
     GetNetwork,
     SetNetwork,
     Expose,
@@ -611,8 +610,16 @@ impl Runtime {
                 Reply::CollectArtifacts(self.collect_artifacts(&id)?)
             }
             Request::Artifacts(Artifacts { id }) => Reply::Artifacts(self.artifacts(&id)?),
-            Request::ArtifactPath(ArtifactPath { id, path }) => {
-                Reply::ArtifactPath(self.artifact_path(&id, &path)?)
+            Request::ReadArtifact(ReadArtifact { id, path }) => {
+                let output =
+                    output.ok_or_else(|| missing("read_artifact", "place for the bytes"))?;
+                let p = self.artifact_path(&id, &path)?;
+                let mut f = std::fs::File::open(&p)
+                    .map_err(RuntimeError::io("cannot open the artifact", &p))?;
+                Reply::ReadArtifact(
+                    std::io::copy(&mut f, output)
+                        .map_err(RuntimeError::io("cannot send the artifact", &p))?,
+                )
             }
             Request::GetNetwork(GetNetwork { id }) => Reply::GetNetwork(self.network(&id)?),
             Request::SetNetwork(SetNetwork { id, policy }) => {

@@ -551,6 +551,11 @@ impl Runtime {
             self.store()
                 .put_artifact(&row.id, &rel.to_string_lossy(), n)?;
         }
+        if files > 0 {
+            if let Some(h) = self.hooks() {
+                h.artifacts_collected(&row.id, &dest);
+            }
+        }
         Ok(total)
     }
 }

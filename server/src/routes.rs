@@ -802,34 +802,22 @@ pub async fn collect_artifacts(
 pub async fn get_artifact(
     State(st): State<AppState>,
     Path((id, path)): Path<(String, String)>,
-) -> Result<Response, ApiError> {
-    let (file, len) = st
-        .call(move |b| {
-            let p = b.call(
-                call::ArtifactPath {
+) -> Response {
+    let b = st.backend();
+    stream::raw(
+        move |w| {
+            b.call(
+                call::ReadArtifact {
                     id: id.to_string(),
                     path: path.to_string(),
                 },
-                Io::none(),
+                Io::output(w),
             )?;
-            let f = std::fs::File::open(&p).map_err(ember_runtime::RuntimeError::io(
-                "cannot open the artifact",
-                &p,
-            ))?;
-            let len = f.metadata().map(|m| m.len()).ok();
-            Ok((f, len))
-        })
-        .await?;
-    Ok(stream::raw(
-        move |w| {
-            let mut f = file;
-            std::io::copy(&mut f, w)
-                .map_err(|e| ApiError::internal(format!("reading the artifact: {e}")))?;
             Ok(())
         },
-        len,
+        None,
     )
-    .await)
+    .await
 }
 
 // ----- audit -----
@@ -844,13 +832,18 @@ pub async fn sandbox_audit(
     ApiQuery(q): ApiQuery<SandboxAuditQuery>,
 ) -> JsonResult<Vec<AuditRecord>> {
     st.call(move |b| {
-        b.call(call::Get { id: id.to_string() }, Io::none())?;
-        b.call(
+        let records = b.call(
             call::Audit {
-                filter: q.filter(id),
+                filter: q.filter(id.clone()),
             },
             Io::none(),
-        )
+        )?;
+        // No records: an unknown sandbox is a 404 (a known one, whose host may be gone, is
+        // answered from the records alone).
+        if records.is_empty() {
+            b.call(call::Get { id: id.to_string() }, Io::none())?;
+        }
+        Ok(records)
     })
     .await
     .map(Json)

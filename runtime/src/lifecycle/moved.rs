@@ -35,6 +35,11 @@ pub trait LifecycleHooks: Send + Sync + std::fmt::Debug {
     fn paused(&self, row: &SandboxRow, dir: &Path);
     /// Paused sandbox `id` is about to resume here (before its VM starts).
     fn resuming(&self, id: &str) -> ResumeVerdict;
+    /// Sandbox `id`'s artifacts were copied out into `dir` (all it has so far; read them,
+    /// never change them).
+    fn artifacts_collected(&self, id: &str, dir: &Path) {
+        let _ = (id, dir);
+    }
 }
 
 impl Runtime {
