@@ -12,6 +12,8 @@
 //!   through the other gateway with its interpreter state (a variable set through one gateway
 //!   is read through the other);
 //! - a file goes in through one gateway and out through the other, intact;
+//! - a guest port exposed through one gateway serves HTTP through the other (the port
+//!   proxy's connection tunnels through the sandbox's node);
 //! - a gateway restarted (stateless: routes are in the directory) serves the same sandboxes;
 //! - the E2B Python SDK, unchanged: create, `run_code`, `files`, `commands` through gateway 1,
 //!   then `Sandbox.connect` and the same sandbox's state through gateway 2;
@@ -731,6 +733,48 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
         std::fs::read(&dst).unwrap(),
         data,
         "the file changed on its way"
+    );
+
+    // A guest port through a gateway: the port proxy's connection is a tunnel through the
+    // sandbox's node (an upgrade on its internal API).
+    let web = ids[2].0.clone();
+    c.ember_ok(
+        1,
+        &[
+            "code",
+            &web,
+            "import subprocess, pathlib\n\
+             pathlib.Path('/tmp/www').mkdir(exist_ok=True)\n\
+             pathlib.Path('/tmp/www/hello.txt').write_text('hello through the fleet')\n\
+             subprocess.Popen(['python3', '-m', 'http.server', '8000', '--directory', \
+             '/tmp/www'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)",
+        ],
+    );
+    c.ember_ok(2, &["sandbox", "expose", &web, "8000"]);
+    let page = format!("{}/v1/sandboxes/{web}/ports/8000/hello.txt", c.gw_url(2));
+    let t_web = Instant::now();
+    let body = loop {
+        let r = ureq::get(&page)
+            .set("authorization", &format!("Bearer {}", c.token()))
+            .timeout(Duration::from_secs(10))
+            .call();
+        match r {
+            Ok(r) => break r.into_string().unwrap(),
+            Err(e) => {
+                assert!(
+                    t_web.elapsed() < Duration::from_secs(30),
+                    "{page}: {e}\n{}",
+                    c.logs()
+                );
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        }
+    };
+    assert_eq!(body, "hello through the fleet");
+    let r = ureq::get(&page).call();
+    assert!(
+        matches!(r, Err(ureq::Error::Status(401, _))),
+        "a private port without a token: {r:?}"
     );
 
     // A gateway restarted serves the same sandboxes (it keeps nothing).

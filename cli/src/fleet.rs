@@ -203,7 +203,7 @@ pub fn node_main(a: NodeArgs) -> ExitCode {
             db: db.clone(),
             hooks: hooks.clone(),
         };
-        let app = ember_fleet::node::router(Arc::new(handler), token, mover);
+        let app = ember_fleet::node::router(Arc::new(handler), token, mover, Some(rt.clone()));
         // Frames are small and written one by one: no Nagle delay between them.
         let listener = axum::serve::ListenerExt::tap_io(listener, |s| {
             if let Err(e) = s.set_nodelay(true) {

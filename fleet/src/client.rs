@@ -247,7 +247,7 @@ mod tests {
             rt.block_on(async move {
                 let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 tx.send(l.local_addr().unwrap().to_string()).unwrap();
-                let app = crate::node::router(fake, "tok".into(), None);
+                let app = crate::node::router(fake, "tok".into(), None, None);
                 axum::serve(l, app).await.unwrap();
             });
         });

@@ -752,4 +752,117 @@ impl ember_server::Backend for Fleet {
     fn max_upload_bytes(&self) -> u64 {
         self.max_upload_bytes
     }
+
+    /// A guest port of a sandbox anywhere in the fleet: a tunnel through its node's internal
+    /// API (an HTTP upgrade), handed to the port and CDP proxies as if it were the port.
+    fn connect_port(
+        &self,
+        id: &str,
+        port: u16,
+        require_exposed: bool,
+    ) -> Result<std::net::TcpStream, RuntimeError> {
+        let mut node = self.route(id, false)?;
+        if !self.node_up(&node) {
+            node = self.route(id, true)?;
+            if !self.node_up(&node) {
+                node = self.relocate(id, &node)?;
+            }
+        }
+        let r = self.tunnel(&node, id, port, require_exposed);
+        match r {
+            // A stale route: the sandbox moved.
+            Err(RuntimeError::NotFound(_)) => {
+                let fresh = self.route(id, true)?;
+                if fresh == node {
+                    return r;
+                }
+                self.tunnel(&fresh, id, port, require_exposed)
+            }
+            r => r,
+        }
+    }
+}
+
+impl Fleet {
+    /// Opens the data-plane tunnel to `id`'s `port` through node `node`.
+    fn tunnel(
+        &self,
+        node: &str,
+        id: &str,
+        port: u16,
+        require_exposed: bool,
+    ) -> Result<std::net::TcpStream, RuntimeError> {
+        use std::io::{Read, Write};
+        let addr = self
+            .nodes_cached()?
+            .into_iter()
+            .find(|n| n.node.id == node)
+            .map(|n| n.node.addr)
+            .ok_or_else(|| RuntimeError::Unreachable(format!("node {node} is not registered")))?;
+        let lost = |what: String| RuntimeError::Unreachable(format!("node {node}: {what}"));
+        let sa = std::net::ToSocketAddrs::to_socket_addrs(&addr)
+            .map_err(|e| lost(format!("{addr}: {e}")))?
+            .next()
+            .ok_or_else(|| lost(format!("{addr}: no address")))?;
+        let mut s = std::net::TcpStream::connect_timeout(&sa, Duration::from_secs(3))
+            .map_err(|e| lost(format!("{addr}: {e}")))?;
+        let _ = s.set_nodelay(true);
+        // The node may resume the sandbox first: allow for it.
+        let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
+        let head = format!(
+            "GET /internal/v1/tunnel/{id}/{port}?exposed={} HTTP/1.1\r\nHost: {addr}\r\n\
+             Authorization: Bearer {}\r\nConnection: Upgrade\r\nUpgrade: {}\r\n\r\n",
+            u8::from(require_exposed),
+            self.token,
+            crate::node::TUNNEL_PROTOCOL
+        );
+        s.write_all(head.as_bytes())
+            .map_err(|e| lost(format!("sending the tunnel request: {e}")))?;
+        // The answer's head, a byte at a time: nothing of the guest's may be read past it.
+        let mut resp = Vec::new();
+        let mut b = [0u8; 1];
+        while !resp.ends_with(b"\r\n\r\n") {
+            if resp.len() > 16 << 10 {
+                return Err(lost("the tunnel's answer is too long".into()));
+            }
+            match s.read(&mut b) {
+                Ok(1) => resp.push(b[0]),
+                Ok(_) => return Err(lost("closed the tunnel before answering".into())),
+                Err(e) => return Err(lost(format!("the tunnel's answer: {e}"))),
+            }
+        }
+        let text = String::from_utf8_lossy(&resp).into_owned();
+        let status: u16 = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        if status == 101 {
+            // As the runtime's own connections: non-blocking, for the proxies' async I/O.
+            s.set_read_timeout(None)
+                .and_then(|()| s.set_nonblocking(true))
+                .map_err(|e| lost(format!("the tunnel: {e}")))?;
+            return Ok(s);
+        }
+        // A refusal: its body is the runtime's error.
+        let len: usize = text
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.trim()
+                    .eq_ignore_ascii_case("content-length")
+                    .then(|| v.trim().parse().ok())?
+            })
+            .unwrap_or(0)
+            .min(64 << 10);
+        let mut body = vec![0u8; len];
+        let _ = s.read_exact(&mut body);
+        match serde_json::from_slice::<crate::wire::WireError>(&body) {
+            Ok(w) => Err(w.into_runtime()),
+            Err(_) => Err(lost(format!(
+                "refused the tunnel: HTTP {status}: {}",
+                String::from_utf8_lossy(&body)
+            ))),
+        }
+    }
 }

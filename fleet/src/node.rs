@@ -40,21 +40,112 @@ struct NodeState {
     handler: Arc<dyn Handler>,
     token: Arc<String>,
     mover: Option<Arc<Mover>>,
+    ports: Option<Runtime>,
 }
 
 /// The internal API's router over `handler` (the node's runtime), guarded by `token`;
 /// `mover`: what takes in sandboxes that move here (`POST /internal/v1/adopt`), when the
-/// node has a blob store.
-pub fn router(handler: Arc<dyn Handler>, token: String, mover: Option<Arc<Mover>>) -> Router {
+/// node has a blob store; `ports`: the runtime whose guests' ports the data-plane tunnel
+/// reaches (`GET /internal/v1/tunnel/{id}/{port}`, an HTTP upgrade).
+pub fn router(
+    handler: Arc<dyn Handler>,
+    token: String,
+    mover: Option<Arc<Mover>>,
+    ports: Option<Runtime>,
+) -> Router {
     Router::new()
         .route("/internal/v1/call", post(call))
         .route("/internal/v1/adopt", post(adopt))
+        .route("/internal/v1/tunnel/{id}/{port}", get(tunnel))
         .route("/internal/v1/health", get(|| async { StatusCode::OK }))
         .with_state(NodeState {
             handler,
             token: Arc::new(token),
             mover,
+            ports,
         })
+}
+
+/// The upgrade token of the data-plane tunnel.
+pub const TUNNEL_PROTOCOL: &str = "ember-tunnel";
+
+/// `GET /internal/v1/tunnel/{id}/{port}?exposed=0|1`: a connection to a guest port, for a
+/// gateway's port and CDP proxies. The node connects to the port (resuming the sandbox if
+/// paused; with `exposed=1` only if the port is exposed), answers `101 Switching Protocols`
+/// and then carries bytes both ways until either side closes. A refusal is the runtime's
+/// error as a [`WireError`] (JSON) with its HTTP status.
+async fn tunnel(
+    State(st): State<NodeState>,
+    axum::extract::Path((id, port)): axum::extract::Path<(String, u16)>,
+    axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
+    mut req: Request,
+) -> Response {
+    if !authorized(&st, &req) {
+        return refuse(
+            StatusCode::UNAUTHORIZED,
+            "the internal API wants the node token (Authorization: Bearer …)",
+        );
+    }
+    let Some(rt) = st.ports.clone() else {
+        return refuse(
+            StatusCode::NOT_IMPLEMENTED,
+            "this node serves no guest ports",
+        );
+    };
+    let wants = req
+        .headers()
+        .get(header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case(TUNNEL_PROTOCOL));
+    if !wants {
+        return refuse(
+            StatusCode::UPGRADE_REQUIRED,
+            format!("the tunnel is an upgrade to {TUNNEL_PROTOCOL}"),
+        );
+    }
+    let exposed = q.get("exposed").is_some_and(|v| v == "1");
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    let who = id.clone();
+    let tcp = tokio::task::spawn_blocking(move || rt.connect_port(&who, port, exposed)).await;
+    let tcp = match tcp {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
+            let status = ember_server::error::status_of(e.class());
+            let body = serde_json::to_vec(&WireError::of(&e)).unwrap_or_default();
+            return (status, [(header::CONTENT_TYPE, "application/json")], body).into_response();
+        }
+        Err(e) => {
+            return refuse(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("the tunnel: {e}"),
+            )
+        }
+    };
+    tokio::spawn(async move {
+        let up = match on_upgrade.await {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::debug!("tunnel to {id}:{port}: the upgrade failed: {e}");
+                return;
+            }
+        };
+        let mut up = hyper_util::rt::TokioIo::new(up);
+        let guest = tcp
+            .set_nonblocking(true)
+            .and_then(|()| tokio::net::TcpStream::from_std(tcp));
+        match guest {
+            Ok(mut g) => {
+                let _ = tokio::io::copy_bidirectional(&mut up, &mut g).await;
+            }
+            Err(e) => tracing::debug!("tunnel to {id}:{port}: {e}"),
+        }
+    });
+    Response::builder()
+        .status(StatusCode::SWITCHING_PROTOCOLS)
+        .header(header::CONNECTION, "upgrade")
+        .header(header::UPGRADE, TUNNEL_PROTOCOL)
+        .body(Body::empty())
+        .unwrap_or_default()
 }
 
 /// What takes in a paused sandbox that moves to this node.
