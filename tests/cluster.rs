@@ -386,6 +386,10 @@ impl Cluster {
             BLOBS.into(),
         ];
         let mut args = args;
+        args.extend([
+            "--label".to_string(),
+            format!("zone={}", if i == 3 { "b" } else { "a" }),
+        ]);
         if i == 1 {
             for t in ["default", "python-data"] {
                 args.extend(["--publish".to_string(), t.to_string()]);
@@ -777,6 +781,19 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
         "a private port without a token: {r:?}"
     );
 
+    // Placement by label: only n3 is in zone b; a label no node has is refused by name.
+    let zb = c
+        .ember_ok(2, &["sandbox", "create", "--node-label", "zone=b"])
+        .trim()
+        .to_string();
+    assert_eq!(
+        c.sql(&format!("SELECT node FROM sandboxes WHERE id = '{zb}'")),
+        "n3"
+    );
+    c.ember_ok(1, &["sandbox", "kill", &zb]);
+    let (ok, _, err) = c.ember(1, &["sandbox", "create", "--node-label", "zone=nowhere"]);
+    assert!(!ok && err.contains("zone=nowhere"), "{err}");
+
     // A gateway restarted serves the same sandboxes (it keeps nothing).
     c.stop("gw1");
     c.start_gateway(1, false);
@@ -909,6 +926,13 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
     assert!(
         logs.contains("run_code") && logs.contains("collect_artifacts"),
         "audit of {art} with its node down: {logs}"
+    );
+
+    // Its history spans both nodes: the pause on the first, the move to the second.
+    let hist = c.ember_ok(1, &["sandbox", "history", &mv]);
+    assert!(
+        hist.contains("paused by request") && hist.contains(&format!("continued from node {from}")),
+        "history of {mv}: {hist}"
     );
 
     // The node comes back: its other sandboxes are re-adopted, its copy of the moved one

@@ -324,25 +324,26 @@ pub fn cluster_main(c: ClusterCmd) -> ExitCode {
                 return ExitCode::SUCCESS;
             }
             println!(
-                "{:<16} {:<22} {:<6} {:>9} {:>8} {:>9}  templates",
-                "node", "address", "live", "heartbeat", "running", "sandboxes"
+                "{:<16} {:<22} {:<8} {:>9} {:>8} {:>13} {:>9}  templates",
+                "node", "address", "live", "heartbeat", "running", "memory MiB", "sandboxes"
             );
             for n in &nodes {
                 let live = n.heartbeat_age_secs <= ember_fleet::gateway::LIVE_WITHIN.as_secs_f64();
                 println!(
-                    "{:<16} {:<22} {:<6} {:>8.1}s {:>4}/{:<3} {:>9}  {}",
+                    "{:<16} {:<22} {:<8} {:>8.1}s {:>4}/{:<3} {:>6}/{:<6} {:>9}  {}",
                     n.node.id,
                     n.node.addr,
-                    if n.status == "stopped" {
-                        "STOPPED"
-                    } else if live {
-                        "yes"
-                    } else {
-                        "LOST"
+                    match n.status.as_str() {
+                        "stopped" => "STOPPED",
+                        "draining" => "DRAINING",
+                        _ if live => "yes",
+                        _ => "LOST",
                     },
                     n.heartbeat_age_secs,
                     n.node.running,
                     n.node.max_running,
+                    n.node.memory_mib,
+                    n.node.max_memory_mib,
                     n.sandboxes,
                     n.node.templates.join(",")
                 );
@@ -376,7 +377,7 @@ pub fn cluster_main(c: ClusterCmd) -> ExitCode {
                 match db.unmovable(&node) {
                     Ok(0) => {
                         eprintln!(
-                            "ember: node {node} drained in {:.1} s: every sandbox can continue                              on another node",
+                            "ember: node {node} drained in {:.1} s: every sandbox can continue on another node",
                             t0.elapsed().as_secs_f64()
                         );
                         return ExitCode::SUCCESS;

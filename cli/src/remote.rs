@@ -231,6 +231,10 @@ pub struct CreateArgs {
     /// An environment variable for code and programs (`k=v`, repeatable).
     #[arg(long = "env", value_name = "K=V")]
     pub env: Vec<String>,
+    /// In a fleet: only on a node with this label (`k=v`, repeatable; see `ember node
+    /// --label`).
+    #[arg(long = "node-label", value_name = "K=V")]
+    pub node_label: Vec<String>,
     /// Network policy.
     #[command(flatten)]
     pub policy: PolicyArgs,
@@ -756,8 +760,13 @@ fn create(c: &Client, a: CreateArgs) -> ExitCode {
         Ok(p) => p.unwrap_or_default(),
         Err(e) => return usage(e),
     };
+    let node_labels = match pairs(&a.node_label, "--node-label") {
+        Ok(l) => l,
+        Err(e) => return usage(e),
+    };
     let req = CreateRequest {
         network,
+        node_labels,
         template: a.template,
         snapshot: a.snapshot,
         timeout_secs: a.timeout,

@@ -82,6 +82,18 @@ const MIGRATIONS: &[&str] = &[
         UNIQUE (node, seq)
     );
     CREATE INDEX audit_sandbox ON audit (sandbox, id);",
+    // 6: every node's state history of its sandboxes (shipped each heartbeat, as the audit
+    // log), and the nodes' memory: what they may commit and have committed.
+    "CREATE TABLE transitions (
+        node TEXT NOT NULL,
+        seq BIGINT NOT NULL,
+        sandbox TEXT NOT NULL,
+        record JSONB NOT NULL,
+        PRIMARY KEY (node, seq)
+    );
+    CREATE INDEX transitions_sandbox ON transitions (sandbox);
+    ALTER TABLE nodes ADD COLUMN max_memory_mib BIGINT NOT NULL DEFAULT 0;
+    ALTER TABLE nodes ADD COLUMN memory_mib BIGINT NOT NULL DEFAULT 0;",
 ];
 
 /// How a heartbeat's list is trusted: a sandbox created or moved this recently is not marked
@@ -116,6 +128,12 @@ pub struct NodeRecord {
     pub labels: serde_json::Value,
     /// The templates built on it.
     pub templates: Vec<String>,
+    /// Guest memory it may commit, MiB (its `--max-memory-mib`).
+    #[serde(default)]
+    pub max_memory_mib: i64,
+    /// Guest memory its running sandboxes have committed, MiB (as of its last heartbeat).
+    #[serde(default)]
+    pub memory_mib: i64,
 }
 
 /// A node as the directory shows it.
@@ -215,9 +233,11 @@ impl Db {
             let row = c
                 .query_one(
                     "INSERT INTO nodes (id, addr, version, host_kind, cpu_profile, max_running,
-                                        running, labels, templates)
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                                        running, labels, templates, max_memory_mib, memory_mib)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
                      ON CONFLICT (id) DO UPDATE SET
+                        max_memory_mib = EXCLUDED.max_memory_mib,
+                        memory_mib = EXCLUDED.memory_mib,
                         addr = EXCLUDED.addr, version = EXCLUDED.version,
                         host_kind = EXCLUDED.host_kind, cpu_profile = EXCLUDED.cpu_profile,
                         max_running = EXCLUDED.max_running, running = EXCLUDED.running,
@@ -235,6 +255,8 @@ impl Db {
                         &n.running,
                         &n.labels,
                         &serde_json::json!(n.templates),
+                        &n.max_memory_mib,
+                        &n.memory_mib,
                     ],
                 )
                 .map_err(db_err("registering the node"))?;
@@ -249,6 +271,7 @@ impl Db {
         &self,
         id: &str,
         running: i32,
+        memory_mib: i64,
         templates: &[String],
         live: &[String],
     ) -> Result<Heartbeat, FleetError> {
@@ -256,9 +279,10 @@ impl Db {
             let mut tx = c.transaction().map_err(db_err("heartbeat"))?;
             let status: Option<String> = tx
                 .query_opt(
-                    "UPDATE nodes SET heartbeat_at = now(), running = $2, templates = $3
+                    "UPDATE nodes SET heartbeat_at = now(), running = $2, templates = $3,
+                        memory_mib = $4
                      WHERE id = $1 RETURNING status",
-                    &[&id, &running, &serde_json::json!(templates)],
+                    &[&id, &running, &serde_json::json!(templates), &memory_mib],
                 )
                 .map_err(db_err("heartbeat"))?
                 .map(|r| r.get(0));
@@ -300,7 +324,7 @@ impl Db {
                             (SELECT count(*) FROM sandboxes s WHERE s.node = n.id AND NOT s.ended),
                             (SELECT count(*) FROM sandboxes s WHERE s.node = n.id
                                AND s.created_at > n.heartbeat_at - interval '2 seconds'),
-                            n.status
+                            n.status, n.max_memory_mib, n.memory_mib
                      FROM nodes n ORDER BY n.id",
                     &[],
                 )
@@ -319,6 +343,8 @@ impl Db {
                             running: r.get(6),
                             labels: r.get(7),
                             templates: serde_json::from_value(templates).unwrap_or_default(),
+                            max_memory_mib: r.get(14),
+                            memory_mib: r.get(15),
                         },
                         epoch: r.get(9),
                         heartbeat_age_secs: r.get(10),
@@ -727,6 +753,65 @@ impl Db {
             }
             tx.commit().map_err(db_err("shipping the audit log"))?;
             Ok(())
+        })
+    }
+
+    /// The highest state-change sequence number of `node` shipped so far (0: none).
+    pub fn last_transition_seq(&self, node: &str) -> Result<i64, FleetError> {
+        self.with(|c| {
+            let row = c
+                .query_one(
+                    "SELECT COALESCE(max(seq), 0)::bigint FROM transitions WHERE node = $1",
+                    &[&node],
+                )
+                .map_err(db_err("reading the state history"))?;
+            Ok(row.get(0))
+        })
+    }
+
+    /// Ships `node`'s state changes (those already there are skipped).
+    pub fn put_transitions(
+        &self,
+        node: &str,
+        changes: &[(i64, String, ember_runtime::Transition)],
+    ) -> Result<(), FleetError> {
+        self.with(|c| {
+            let mut tx = c
+                .transaction()
+                .map_err(db_err("shipping the state history"))?;
+            for (seq, sandbox, t) in changes {
+                let json = serde_json::to_value(t).unwrap_or_default();
+                tx.execute(
+                    "INSERT INTO transitions (node, seq, sandbox, record) VALUES ($1, $2, $3, $4)
+                     ON CONFLICT (node, seq) DO NOTHING",
+                    &[&node, seq, sandbox, &json],
+                )
+                .map_err(db_err("shipping the state history"))?;
+            }
+            tx.commit().map_err(db_err("shipping the state history"))?;
+            Ok(())
+        })
+    }
+
+    /// Sandbox `id`'s shipped state history (on every node but `except`), oldest first.
+    pub fn history(
+        &self,
+        id: &str,
+        except: Option<&str>,
+    ) -> Result<Vec<ember_runtime::Transition>, FleetError> {
+        self.with(|c| {
+            let rows = c
+                .query(
+                    "SELECT record FROM transitions
+                     WHERE sandbox = $1 AND ($2::text IS NULL OR node <> $2)
+                     ORDER BY record->>'at', node, seq",
+                    &[&id, &except],
+                )
+                .map_err(db_err("reading the state history"))?;
+            Ok(rows
+                .iter()
+                .filter_map(|r| serde_json::from_value(r.get(0)).ok())
+                .collect())
         })
     }
 

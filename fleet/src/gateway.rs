@@ -78,6 +78,29 @@ impl Fleet {
         self
     }
 
+    /// A sandbox's state history across the nodes it lived on: its node's own (up to the
+    /// call) and what the others shipped; all of it from the directory when its node is down.
+    fn history(&self, id: &str, req: Request, io: Io<'_>) -> Result<Reply, RuntimeError> {
+        match self.to_sandbox(id, req, io) {
+            Ok(Reply::History(mut own)) => {
+                // The node that answered (the call followed the sandbox wherever it went).
+                let node = self.route(id, false).ok();
+                own.extend(self.db.history(id, node.as_deref()).map_err(db_error)?);
+                own.sort_by(|a, b| a.at.cmp(&b.at));
+                Ok(Reply::History(own))
+            }
+            Err(e @ (RuntimeError::NotFound(_) | RuntimeError::Unreachable(_))) => {
+                let all = self.db.history(id, None).map_err(db_error)?;
+                if all.is_empty() {
+                    Err(e)
+                } else {
+                    Ok(Reply::History(all))
+                }
+            }
+            other => other,
+        }
+    }
+
     /// Sandbox `id`'s artifacts as uploaded (the bundle of its last collection), when its
     /// node cannot say: `None` when none were uploaded.
     fn uploaded_artifacts(&self, id: &str) -> Result<Option<crate::blobs::Bundle>, RuntimeError> {
@@ -263,7 +286,7 @@ impl Fleet {
             }
             return Err(RuntimeError::Unreachable(if s.state == "paused" {
                 format!(
-                    "sandbox {id} is paused on node {from}, which is down, and its snapshot                      was not uploaded yet: it can resume only there"
+                    "sandbox {id} is paused on node {from}, which is down, and its snapshot was not uploaded yet: it can resume only there"
                 )
             } else {
                 format!("sandbox {id} runs on node {from}, which is down")
@@ -308,7 +331,7 @@ impl Fleet {
         }
         Err(last.unwrap_or_else(|| {
             RuntimeError::Capacity(format!(
-                "sandbox {id} is paused on node {from}, which is down, and no other live node                  has room for it"
+                "sandbox {id} is paused on node {from}, which is down, and no other live node has room for it"
             ))
         }))
     }
@@ -528,9 +551,33 @@ impl Fleet {
                 n.node.id.clone(),
             )
         });
+        // Requested labels: only nodes that carry them all.
+        let labels = &req.req.node_labels;
+        if !labels.is_empty() {
+            nodes.retain(|n| {
+                labels
+                    .iter()
+                    .all(|(k, v)| n.node.labels.get(k).and_then(|x| x.as_str()) == Some(v))
+            });
+            if nodes.is_empty() {
+                return Err(RuntimeError::Capacity(format!(
+                    "no live node has the labels {}",
+                    labels
+                        .iter()
+                        .map(|(k, v)| format!("{k}={v}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+        }
+        // Room: its sandbox cap, and its memory when the request names a size (the node
+        // checks both again, and a refusal moves on to the next).
+        let want_mib = req.req.memory_mib.unwrap_or(0) as i64;
         let mut last = None;
         for n in nodes.iter().filter(|n| {
             i64::from(n.node.running) + n.placed_recently < i64::from(n.node.max_running)
+                && (n.node.max_memory_mib == 0
+                    || n.node.memory_mib + want_mib <= n.node.max_memory_mib)
         }) {
             let c = self.client(n);
             match c.handle(req.clone().into(), Io::none()) {
@@ -641,6 +688,10 @@ impl Handler for Fleet {
     fn handle(&self, req: Request, io: Io<'_>) -> Result<Reply, RuntimeError> {
         if let Request::TakeSnapshot(t) = req {
             return self.take_snapshot(t, io);
+        }
+        if let Request::History(call::History { id }) = &req {
+            let id = id.clone();
+            return self.history(&id, req, io);
         }
         if let Request::Artifacts(call::Artifacts { id })
         | Request::ReadArtifact(call::ReadArtifact { id, .. }) = &req

@@ -233,7 +233,7 @@ impl Mover {
                 Ok(false) => {
                     self.rt.forget(&r.id, "another node took it first");
                     Err(FleetError::Blob(format!(
-                        "sandbox {} changed while it moved (another gateway moved it, or it                          resumed on node {})",
+                        "sandbox {} changed while it moved (another gateway moved it, or it resumed on node {})",
                         r.id, r.from
                     )))
                 }
@@ -597,7 +597,21 @@ pub fn record(cfg: &NodeConfig, rt: &Runtime) -> NodeRecord {
         running: running(rt),
         labels: cfg.labels.clone(),
         templates: templates(),
+        max_memory_mib: i64::try_from(rt.config().max_committed_memory_mib).unwrap_or(i64::MAX),
+        memory_mib: committed_mib(rt),
     }
+}
+
+/// Guest memory the running sandboxes have committed, MiB.
+fn committed_mib(rt: &Runtime) -> i64 {
+    live(rt)
+        .map(|l| {
+            l.iter()
+                .filter(|s| s.state != ember_runtime::State::Paused)
+                .map(|s| s.resources.memory_mib as i64)
+                .sum()
+        })
+        .unwrap_or(0)
 }
 
 fn running(rt: &Runtime) -> i32 {
@@ -654,6 +668,7 @@ pub fn start_heartbeat(
     let epoch = db.register(&record(&cfg, &rt))?;
     // The audit log is shipped to the directory each beat, from where the last beat left it.
     let mut shipped = db.last_audit_seq(&cfg.id)?;
+    let mut shipped_changes = db.last_transition_seq(&cfg.id)?;
     std::thread::Builder::new()
         .name("ember-heartbeat".into())
         .spawn(move || {
@@ -665,6 +680,14 @@ pub fn start_heartbeat(
                     limit: Some(5000),
                     ..Default::default()
                 };
+                if let Ok(changes) = rt.transitions_after(shipped_changes, 5000) {
+                    if let Some(last) = changes.last().map(|c| c.0) {
+                        match db.put_transitions(&cfg.id, &changes) {
+                            Ok(()) => shipped_changes = last,
+                            Err(e) => tracing::debug!("history not shipped (next beat): {e}"),
+                        }
+                    }
+                }
                 if let Ok(records) = rt.audit(&filter) {
                     if let Some(last) = records.last().map(|r| r.seq) {
                         match db.put_audit(&cfg.id, &records) {
@@ -678,7 +701,7 @@ pub fn start_heartbeat(
                     Ok(l) => {
                         let ids: Vec<String> = l.into_iter().map(|s| s.id).collect();
                         let running = running(&rt);
-                        db.heartbeat(&cfg.id, running, &templates(), &ids)
+                        db.heartbeat(&cfg.id, running, committed_mib(&rt), &templates(), &ids)
                     }
                     Err(e) => Err(FleetError::Io(format!("listing the sandboxes: {e}"))),
                 }

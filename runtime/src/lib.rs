@@ -485,6 +485,18 @@ impl Runtime {
         Ok(self.store().transitions(id)?)
     }
 
+    /// Every sandbox's state changes after sequence number `after`, oldest first, at most
+    /// `limit`: `(seq, sandbox, change)` (what a fleet's node ships to its directory).
+    pub fn transitions_after(
+        &self,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<(i64, String, Transition)>, RuntimeError> {
+        Ok(self
+            .store()
+            .transitions_after(after, limit.min(100_000) as i64)?)
+    }
+
     /// Audit records.
     pub fn audit(&self, filter: &AuditFilter) -> Result<Vec<AuditRecord>, RuntimeError> {
         Ok(self.store().audit_records(filter)?)

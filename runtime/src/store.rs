@@ -449,6 +449,34 @@ impl Store {
         rows.collect()
     }
 
+    /// Every sandbox's state changes after sequence number `after` (at most `limit`, oldest
+    /// first): `(seq, sandbox, change)`.
+    pub fn transitions_after(
+        &self,
+        after: i64,
+        limit: i64,
+    ) -> StoreResult<Vec<(i64, String, Transition)>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT seq, sandbox, at_ms, from_state, to_state, reason FROM transitions \
+             WHERE seq > ?1 ORDER BY seq LIMIT ?2",
+        )?;
+        let rows = st.query_map(params![after, limit], |r| {
+            let from: Option<String> = r.get(3)?;
+            let to: String = r.get(4)?;
+            Ok((
+                r.get(0)?,
+                r.get(1)?,
+                Transition {
+                    at: rfc3339(r.get(2)?),
+                    from: from.as_deref().and_then(State::parse),
+                    to: State::parse(&to).unwrap_or(State::Failed),
+                    reason: r.get(5)?,
+                },
+            ))
+        })?;
+        rows.collect()
+    }
+
     /// Appends an audit record; returns its sequence number.
     #[allow(clippy::too_many_arguments)]
     pub fn audit(

@@ -174,6 +174,10 @@ pub struct CreateRequest {
     #[serde(default, deserialize_with = "policy_or_mode")]
     #[schema(value_type = NetworkPolicy)]
     pub network: NetworkPolicy,
+    /// In a fleet: run only on a node with all these labels (`ember node --label KEY=VALUE`).
+    /// One host (`ember serve`) has no labels to match and ignores them.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_labels: BTreeMap<String, String>,
 }
 
 /// The resource envelope of a sandbox.
