@@ -296,6 +296,19 @@ impl Cluster {
         .to_string()
     }
 
+    /// Waits (up to 60 s) until `q` (a boolean query) answers true; `what` names it.
+    fn wait_sql(&self, q: &str, what: &str) {
+        let t0 = Instant::now();
+        while self.sql(q) != "t" {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "{what} (60 s):\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// The log of process `name`.
     fn log_of(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
@@ -834,18 +847,10 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
     let (mv, _) = ids[3].clone();
     let from = c.sql(&format!("SELECT node FROM sandboxes WHERE id = '{mv}'"));
     c.ember_ok(1, &["sandbox", "pause", &mv]);
-    let t_up = Instant::now();
-    while c.sql(&format!(
-        "SELECT blob IS NOT NULL FROM sandboxes WHERE id = '{mv}'"
-    )) != "t"
-    {
-        assert!(
-            t_up.elapsed() < Duration::from_secs(60),
-            "the pause of {mv} was not uploaded:\n{}",
-            c.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    c.wait_sql(
+        &format!("SELECT blob IS NOT NULL FROM sandboxes WHERE id = '{mv}'"),
+        &format!("the pause of {mv} was not uploaded"),
+    );
     let line = c.wait_log(&from, &format!("sandbox {mv}: pause uploaded"), 5);
     eprintln!(
         "{from}: {}",
@@ -869,17 +874,10 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
         ],
     );
     c.ember_ok(1, &["artifacts", &art, "--collect"]);
-    while c.sql(&format!(
-        "SELECT artifacts IS NOT NULL FROM sandboxes WHERE id = '{art}'"
-    )) != "t"
-    {
-        assert!(
-            t_up.elapsed() < Duration::from_secs(60),
-            "the artifacts of {art} were not uploaded:\n{}",
-            c.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    c.wait_sql(
+        &format!("SELECT artifacts IS NOT NULL FROM sandboxes WHERE id = '{art}'"),
+        &format!("the artifacts of {art} were not uploaded"),
+    );
     // The next heartbeat ships the audit records.
     std::thread::sleep(Duration::from_millis(1500));
     c.stop(&from);
@@ -1046,15 +1044,10 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
         !ok && err.contains("exists"),
         "a second snapshot of that name: {err}"
     );
-    let t_up = Instant::now();
-    while c.sql("SELECT blob IS NOT NULL FROM snapshots WHERE name = 'fleet-snap'") != "t" {
-        assert!(
-            t_up.elapsed() < Duration::from_secs(60),
-            "snapshot fleet-snap not uploaded:\n{}",
-            c.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    c.wait_sql(
+        "SELECT blob IS NOT NULL FROM snapshots WHERE name = 'fleet-snap'",
+        "snapshot fleet-snap not uploaded",
+    );
     let mut from_snap = Vec::new();
     let mut snap_nodes = std::collections::BTreeSet::new();
     for k in 0..4u8 {

@@ -53,17 +53,37 @@ pub fn router(
     mover: Option<Arc<Mover>>,
     ports: Option<Runtime>,
 ) -> Router {
+    let st = NodeState {
+        handler,
+        token: Arc::new(token),
+        mover,
+        ports,
+    };
     Router::new()
         .route("/internal/v1/call", post(call))
         .route("/internal/v1/adopt", post(adopt))
         .route("/internal/v1/tunnel/{id}/{port}", get(tunnel))
+        // Every route above takes the node token; the health check below does not.
+        .route_layer(axum::middleware::from_fn_with_state(
+            st.clone(),
+            require_token,
+        ))
         .route("/internal/v1/health", get(|| async { StatusCode::OK }))
-        .with_state(NodeState {
-            handler,
-            token: Arc::new(token),
-            mover,
-            ports,
-        })
+        .with_state(st)
+}
+
+async fn require_token(
+    State(st): State<NodeState>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if !authorized(&st, &req) {
+        return refuse(
+            StatusCode::UNAUTHORIZED,
+            "the internal API wants the node token (Authorization: Bearer …)",
+        );
+    }
+    next.run(req).await
 }
 
 /// The upgrade token of the data-plane tunnel.
@@ -80,12 +100,6 @@ async fn tunnel(
     axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
     mut req: Request,
 ) -> Response {
-    if !authorized(&st, &req) {
-        return refuse(
-            StatusCode::UNAUTHORIZED,
-            "the internal API wants the node token (Authorization: Bearer …)",
-        );
-    }
     let Some(rt) = st.ports.clone() else {
         return refuse(
             StatusCode::NOT_IMPLEMENTED,
@@ -250,12 +264,6 @@ impl Mover {
 }
 
 async fn adopt(State(st): State<NodeState>, req: Request) -> Response {
-    if !authorized(&st, &req) {
-        return refuse(
-            StatusCode::UNAUTHORIZED,
-            "the internal API wants the node token (Authorization: Bearer …)",
-        );
-    }
     let Some(mover) = st.mover.clone() else {
         return refuse(
             StatusCode::NOT_IMPLEMENTED,
@@ -381,12 +389,6 @@ fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
 /// One call: the request, its input after it, and the frames of its events, output and
 /// reply back.
 async fn call(State(st): State<NodeState>, req: Request) -> Response {
-    if !authorized(&st, &req) {
-        return refuse(
-            StatusCode::UNAUTHORIZED,
-            "the internal API wants the node token (Authorization: Bearer …)",
-        );
-    }
     let mut body = req.into_body().into_data_stream();
     // The request: its length, then its JSON (both may span chunks).
     let mut head = Vec::new();

@@ -379,14 +379,7 @@ pub fn import_snapshot(
     name: &str,
     blob: &str,
 ) -> Result<(ember_runtime::SnapshotInfo, Moved), FleetError> {
-    let bundle = blobs.get_bundle(blob).map_err(blob_err)?;
-    if bundle.kind != "snapshot" {
-        return Err(FleetError::Blob(format!(
-            "bundle {blob} is not a named snapshot"
-        )));
-    }
-    let meta: SnapshotMeta = serde_json::from_value(bundle.meta.clone())
-        .map_err(|e| FleetError::Blob(format!("bundle {blob}: {e}")))?;
+    let (bundle, meta) = read_bundle::<SnapshotMeta>(blobs, blob, "snapshot")?;
     if meta.info.name != name {
         return Err(FleetError::Blob(format!(
             "bundle {blob} is snapshot {}, not {name}",
@@ -400,19 +393,7 @@ pub fn import_snapshot(
         .join(format!(".in-{name}-{}", ember_runtime::paths::random_id()));
     let r = (|| {
         let moved = blobs.get_files(&bundle, &stage).map_err(blob_err)?;
-        let disks = ember_runtime::jailed::snapshot_disks(&stage)
-            .map_err(|e| FleetError::Blob(format!("bundle {blob}: {e}")))?;
-        let disks: Vec<SnapshotDisk> = disks
-            .into_iter()
-            .map(|d| match d {
-                SnapshotDisk::Overlay { .. } => SnapshotDisk::Overlay {
-                    base: t.info.rootfs.clone(),
-                },
-                raw => raw,
-            })
-            .collect();
-        ember_runtime::jailed::write_disks(&stage, &disks)
-            .map_err(|e| FleetError::Io(e.to_string()))?;
+        rebase_disks(&stage, &t, blob)?;
         let info = rt
             .import_snapshot(meta.info.clone(), &stage)
             .map_err(|e| FleetError::Blob(e.to_string()))?;
@@ -422,6 +403,40 @@ pub fn import_snapshot(
         let _ = std::fs::remove_dir_all(&stage);
     }
     r
+}
+
+/// Reads bundle `blob`, checks it is of `kind`, and its meta.
+fn read_bundle<M: serde::de::DeserializeOwned>(
+    blobs: &Blobs,
+    blob: &str,
+    kind: &str,
+) -> Result<(crate::blobs::Bundle, M), FleetError> {
+    let bundle = blobs.get_bundle(blob).map_err(blob_err)?;
+    if bundle.kind != kind {
+        return Err(FleetError::Blob(format!(
+            "bundle {blob} is a {}, not a {kind}",
+            bundle.kind
+        )));
+    }
+    let meta = serde_json::from_value(bundle.meta.clone())
+        .map_err(|e| FleetError::Blob(format!("bundle {blob}: {e}")))?;
+    Ok((bundle, meta))
+}
+
+/// Points the overlay disks of the snapshot in `stage` (its disk list names the maker's image
+/// path) at this host's copy of template `t`'s image.
+fn rebase_disks(stage: &Path, t: &Template, blob: &str) -> Result<(), FleetError> {
+    let disks: Vec<SnapshotDisk> = ember_runtime::jailed::snapshot_disks(stage)
+        .map_err(|e| FleetError::Blob(format!("bundle {blob}: {e}")))?
+        .into_iter()
+        .map(|d| match d {
+            SnapshotDisk::Overlay { .. } => SnapshotDisk::Overlay {
+                base: t.info.rootfs.clone(),
+            },
+            raw => raw,
+        })
+        .collect();
+    ember_runtime::jailed::write_disks(stage, &disks).map_err(|e| FleetError::Io(e.to_string()))
 }
 
 /// Uploads paused sandbox `row`'s snapshot in `dir`; returns the bundle and what moved.
@@ -473,14 +488,7 @@ pub fn import_pause(
     blob: &str,
     from: &str,
 ) -> Result<(SandboxInfo, Moved), FleetError> {
-    let bundle = blobs.get_bundle(blob).map_err(blob_err)?;
-    if bundle.kind != "pause" {
-        return Err(FleetError::Blob(format!(
-            "bundle {blob} is not a paused sandbox"
-        )));
-    }
-    let meta: PauseMeta = serde_json::from_value(bundle.meta.clone())
-        .map_err(|e| FleetError::Blob(format!("bundle {blob}: {e}")))?;
+    let (bundle, meta) = read_bundle::<PauseMeta>(blobs, blob, "pause")?;
     if meta.row.id != id {
         return Err(FleetError::Blob(format!(
             "bundle {blob} is sandbox {}, not {id}",
@@ -510,20 +518,7 @@ pub fn import_pause(
             ember_snapshot::write_layer(stage.join(ember_snapshot::LAYER_FILE), &layer)
                 .map_err(|e| FleetError::Io(e.to_string()))?;
         }
-        let disks = ember_runtime::jailed::snapshot_disks(&stage)
-            .map_err(|e| FleetError::Blob(format!("bundle {blob}: {e}")))?;
-        // The disk list names the maker's image path; here it is this host's.
-        let disks: Vec<SnapshotDisk> = disks
-            .into_iter()
-            .map(|d| match d {
-                SnapshotDisk::Overlay { .. } => SnapshotDisk::Overlay {
-                    base: t.info.rootfs.clone(),
-                },
-                raw => raw,
-            })
-            .collect();
-        ember_runtime::jailed::write_disks(&stage, &disks)
-            .map_err(|e| FleetError::Io(e.to_string()))?;
+        rebase_disks(&stage, &t, blob)?;
         let info = rt
             .import_paused(
                 meta.row.clone(),
@@ -594,30 +589,6 @@ pub fn upload_artifacts(
     blobs
         .put_bundle("artifacts", &files, meta)
         .map_err(blob_err)
-}
-
-fn upload_artifacts_with_retries(blobs: &Blobs, db: &Db, id: &str, dir: &Path) {
-    for attempt in 1..=UPLOAD_TRIES {
-        match upload_artifacts(blobs, id, dir)
-            .and_then(|(b, m)| db.set_artifacts(id, &b).map(|()| (b, m)))
-        {
-            Ok((b, m)) => {
-                tracing::info!(
-                    "sandbox {id}: artifacts uploaded as bundle {} ({} KiB)",
-                    &b[..12],
-                    m.data >> 10
-                );
-                return;
-            }
-            Err(e) if attempt < UPLOAD_TRIES => {
-                tracing::warn!("sandbox {id}: artifacts upload failed (try {attempt}): {e}");
-                std::thread::sleep(Duration::from_millis(500 << attempt));
-            }
-            Err(e) => {
-                tracing::error!("sandbox {id}: artifacts not uploaded ({UPLOAD_TRIES} tries): {e}")
-            }
-        }
-    }
 }
 
 /// The node's [`LifecycleHooks`]: a pause is recorded in the directory at once and uploaded
@@ -707,30 +678,14 @@ impl NodeHooks {
 }
 
 fn upload_with_retries(blobs: &Blobs, db: &Db, node: &str, u: Upload) {
-    let (row, dir, gen) = match u {
-        Upload::Pause { row, dir, gen } => (row, dir, gen),
-        Upload::Snapshot { info, dir } => {
-            return upload_snapshot_with_retries(blobs, db, node, &info, &dir)
-        }
-        Upload::Artifacts { id, dir } => {
-            return upload_artifacts_with_retries(blobs, db, &id, &dir)
-        }
-    };
-    let u = PauseUpload {
-        row: *row,
-        dir,
-        gen,
-    };
-    let id = &u.row.id;
-    for attempt in 1..=UPLOAD_TRIES {
-        if !u.dir.exists() {
-            return; // resumed or killed meanwhile
-        }
-        let t0 = Instant::now();
-        match upload_pause(blobs, &u.row, &u.dir) {
-            Ok((bundle, m)) => {
-                match db.set_uploaded(id, node, u.gen, &bundle) {
-                    Ok(true) => tracing::info!(
+    match u {
+        Upload::Pause { row, dir, gen } => {
+            let id = &row.id;
+            with_retries(&format!("sandbox {id}: its pause"), &dir, || {
+                let t0 = Instant::now();
+                let (bundle, m) = upload_pause(blobs, &row, &dir)?;
+                if db.set_uploaded(id, node, gen, &bundle)? {
+                    tracing::info!(
                         "sandbox {id}: pause uploaded as bundle {} ({} KiB of data, {} KiB \
                          sent, {} of {} chunks) in {:.0} ms",
                         &bundle[..12],
@@ -739,68 +694,60 @@ fn upload_with_retries(blobs: &Blobs, db: &Db, node: &str, u: Upload) {
                         m.chunks_moved,
                         m.chunks,
                         t0.elapsed().as_secs_f64() * 1e3
-                    ),
-                    Ok(false) => {
-                        tracing::info!("sandbox {id}: uploaded, but it resumed or moved meanwhile")
-                    }
-                    Err(e) => tracing::warn!("sandbox {id}: upload not recorded: {e}"),
+                    );
+                } else {
+                    tracing::info!("sandbox {id}: uploaded, but it resumed or moved meanwhile");
                 }
-                return;
-            }
-            Err(e) if attempt < UPLOAD_TRIES => {
-                tracing::warn!("sandbox {id}: upload failed (try {attempt}): {e}");
-                std::thread::sleep(Duration::from_millis(500 << attempt));
-            }
-            Err(e) => tracing::error!(
-                "sandbox {id}: upload failed {UPLOAD_TRIES} times, it stays on this node: {e}"
-            ),
+                Ok(())
+            })
+        }
+        Upload::Snapshot { info, dir } => {
+            with_retries(&format!("snapshot {}", info.name), &dir, || {
+                let t0 = Instant::now();
+                let (bundle, m) = upload_snapshot(blobs, &info, &dir)?;
+                let json = serde_json::to_value(&info).unwrap_or_default();
+                db.set_snapshot(&info.name, node, &json, Some(&bundle))?;
+                tracing::info!(
+                    "snapshot {}: uploaded as bundle {} ({} MiB of data, {} KiB sent) in {:.0} ms",
+                    info.name,
+                    &bundle[..12],
+                    m.data >> 20,
+                    m.bytes_moved >> 10,
+                    t0.elapsed().as_secs_f64() * 1e3
+                );
+                Ok(())
+            })
+        }
+        Upload::Artifacts { id, dir } => {
+            with_retries(&format!("sandbox {id}: its artifacts"), &dir, || {
+                let (bundle, m) = upload_artifacts(blobs, &id, &dir)?;
+                db.set_artifacts(&id, &bundle)?;
+                tracing::info!(
+                    "sandbox {id}: artifacts uploaded as bundle {} ({} KiB)",
+                    &bundle[..12],
+                    m.data >> 10
+                );
+                Ok(())
+            })
         }
     }
 }
 
-/// A pause's upload, taken apart.
-struct PauseUpload {
-    row: SandboxRow,
-    dir: PathBuf,
-    gen: i64,
-}
-
-fn upload_snapshot_with_retries(
-    blobs: &Blobs,
-    db: &Db,
-    node: &str,
-    info: &ember_runtime::SnapshotInfo,
-    dir: &Path,
-) {
+/// Runs an upload up to [`UPLOAD_TRIES`] times, backing off, while `dir` (what it uploads)
+/// is there: a sandbox that resumed, or was killed, or a snapshot deleted, needs none.
+fn with_retries(what: &str, dir: &Path, mut upload: impl FnMut() -> Result<(), FleetError>) {
     for attempt in 1..=UPLOAD_TRIES {
         if !dir.exists() {
-            return; // deleted meanwhile
+            return;
         }
-        let t0 = Instant::now();
-        match upload_snapshot(blobs, info, dir) {
-            Ok((bundle, m)) => {
-                let json = serde_json::to_value(info).unwrap_or_default();
-                match db.set_snapshot(&info.name, node, &json, Some(&bundle)) {
-                    Ok(()) => tracing::info!(
-                        "snapshot {}: uploaded as bundle {} ({} MiB of data, {} KiB sent) in \
-                         {:.0} ms",
-                        info.name,
-                        &bundle[..12],
-                        m.data >> 20,
-                        m.bytes_moved >> 10,
-                        t0.elapsed().as_secs_f64() * 1e3
-                    ),
-                    Err(e) => tracing::warn!("snapshot {}: upload not recorded: {e}", info.name),
-                }
-                return;
-            }
+        match upload() {
+            Ok(()) => return,
             Err(e) if attempt < UPLOAD_TRIES => {
-                tracing::warn!("snapshot {}: upload failed (try {attempt}): {e}", info.name);
+                tracing::warn!("{what}: upload failed (try {attempt}): {e}");
                 std::thread::sleep(Duration::from_millis(500 << attempt));
             }
             Err(e) => tracing::error!(
-                "snapshot {}: upload failed {UPLOAD_TRIES} times, it stays on this node: {e}",
-                info.name
+                "{what}: upload failed {UPLOAD_TRIES} times; it stays on this node only: {e}"
             ),
         }
     }

@@ -135,6 +135,26 @@ impl SlotState {
     }
 }
 
+impl Slot {
+    /// A slot for `row`, with no VM yet (`paused_ms`: when it was paused, if it is).
+    fn new(row: SandboxRow, paused_ms: Option<i64>) -> Arc<Slot> {
+        Arc::new(Slot {
+            id: row.id.clone(),
+            st: Mutex::new(SlotState {
+                row,
+                vm: None,
+                inflight: 0,
+                expected_exit: false,
+                retiring: None,
+                expiring: false,
+                paused_ms,
+                streams: Vec::new(),
+            }),
+            cv: Condvar::new(),
+        })
+    }
+}
+
 /// Counts a call in flight; decrements on drop.
 struct InFlight {
     slot: Arc<Slot>,

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ember_jailer::CgroupLimits;
@@ -284,20 +284,7 @@ impl Runtime {
                 ports: Vec::new(),
             },
         };
-        let slot = Arc::new(Slot {
-            id: id.clone(),
-            st: Mutex::new(SlotState {
-                row: row.clone(),
-                vm: None,
-                inflight: 0,
-                expected_exit: false,
-                retiring: None,
-                expiring: false,
-                paused_ms: None,
-                streams: Vec::new(),
-            }),
-            cv: Condvar::new(),
-        });
+        let slot = Slot::new(row.clone(), None);
         // Capacity is checked and the slot reserved under one lock: concurrent creates
         // cannot both take the last place.
         {

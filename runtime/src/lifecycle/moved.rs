@@ -11,11 +11,11 @@
 //! call resumes it as any paused sandbox.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 
 use crate::store::SandboxRow;
 use crate::types::*;
-use crate::{lock, Runtime, RuntimeError, Slot, SlotState};
+use crate::{lock, Runtime, RuntimeError, Slot};
 
 /// What a resume may do, as the embedder judges it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -104,20 +104,7 @@ impl Runtime {
         row.pause_dir = Some(dest);
         row.source_dir = source_dir.to_path_buf();
         row.reason = Some(reason.to_string());
-        let slot = Arc::new(Slot {
-            id: id.clone(),
-            st: Mutex::new(SlotState {
-                row: row.clone(),
-                vm: None,
-                inflight: 0,
-                expected_exit: false,
-                retiring: None,
-                expiring: false,
-                paused_ms: Some(crate::store::now_ms()),
-                streams: Vec::new(),
-            }),
-            cv: Condvar::new(),
-        });
+        let slot = Slot::new(row.clone(), Some(crate::store::now_ms()));
         {
             let store = self.store();
             let stored = store

@@ -3,11 +3,11 @@
 //! re-attached, sandboxes caught mid-transition put in a true state, orphaned jails,
 //! cgroups, network namespaces and directories removed.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 
 use crate::jailed;
 use crate::types::*;
-use crate::{lock, Runtime, RuntimeError, Slot, SlotState};
+use crate::{lock, Runtime, RuntimeError, Slot};
 
 impl Runtime {
     /// Called by the watcher when a VMM exited.
@@ -60,20 +60,7 @@ impl Runtime {
         let mut keep_jails = std::collections::HashSet::new();
         for mut row in rows {
             let id = row.id.clone();
-            let slot = Arc::new(Slot {
-                id: id.clone(),
-                st: Mutex::new(SlotState {
-                    row: row.clone(),
-                    vm: None,
-                    inflight: 0,
-                    expected_exit: false,
-                    retiring: None,
-                    expiring: false,
-                    paused_ms: None,
-                    streams: Vec::new(),
-                }),
-                cv: Condvar::new(),
-            });
+            let slot = Slot::new(row.clone(), None);
             let adopted = match (row.state, &row.jail_id, row.pid) {
                 (State::Running | State::Pausing, Some(j), Some(pid)) => {
                     jailed::adopt(cfg, bins, &id, j, pid, &row.source_dir).ok()
