@@ -7,6 +7,7 @@
 //! - `blobs`: the blob store (S3 or a directory): bundles of content-addressed chunks.
 //! - `transfer`: templates and paused sandboxes into and out of the blob store.
 //! - `wire`: how a call (request, streams, reply or error) crosses from gateway to node.
+//! - `host`: this host's kind and CPU profile (what a snapshot made here needs).
 //! - `node`: the node's internal API and its registration and heartbeat.
 //! - `client`: a node's internal API as a `Handler` (what the gateway sends through).
 //! - `gateway`: `Fleet`, the gateway's backend: routing, placement, merged lists.
@@ -16,6 +17,7 @@ pub mod blobs;
 pub mod client;
 pub mod db;
 pub mod gateway;
+pub mod host;
 pub mod node;
 pub mod transfer;
 pub mod wire;

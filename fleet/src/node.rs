@@ -572,23 +572,9 @@ pub struct NodeConfig {
     pub labels: serde_json::Value,
 }
 
-/// This host's kind (`kvm_pvm` or `kvm`) and the CPU profile its snapshots are made with: a
-/// snapshot restores only on a host where both are the same.
-pub fn host_profile() -> (String, String) {
-    let kvm = ember_vmm::cpu::HostKvm::detect();
-    let kind = match kvm {
-        ember_vmm::cpu::HostKvm::Pvm => "kvm_pvm",
-        ember_vmm::cpu::HostKvm::Hardware => "kvm",
-    };
-    (
-        kind.to_string(),
-        format!("{:?}", kvm.default_profile()).to_lowercase(),
-    )
-}
-
 /// The node's own record, read off this host and runtime.
 pub fn record(cfg: &NodeConfig, rt: &Runtime) -> NodeRecord {
-    let (host_kind, cpu_profile) = host_profile();
+    let (host_kind, cpu_profile) = crate::host::profile();
     NodeRecord {
         id: cfg.id.clone(),
         addr: cfg.advertise.clone(),

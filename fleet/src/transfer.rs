@@ -87,7 +87,7 @@ pub fn publish_template(
         files.push((format!("snapshot/{n}"), snap.join(&n)));
     }
     files.push((IMAGE.into(), t.info.rootfs.clone()));
-    let (host_kind, cpu_profile) = crate::node::host_profile();
+    let (host_kind, cpu_profile) = crate::host::profile();
     let meta = serde_json::json!({
         "name": name,
         "key": t.info.key,
@@ -205,7 +205,7 @@ pub fn pull_template(
         )));
     }
     // Its snapshot restores only on a host like the one that made it.
-    let here = crate::node::host_profile();
+    let here = crate::host::profile();
     let made = (
         bundle.meta["host_kind"].as_str().unwrap_or_default(),
         bundle.meta["cpu_profile"].as_str().unwrap_or_default(),
