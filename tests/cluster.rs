@@ -13,7 +13,8 @@
 //!   is read through the other);
 //! - a file goes in through one gateway and out through the other, intact;
 //! - a guest port exposed through one gateway serves HTTP through the other (the port
-//!   proxy's connection tunnels through the sandbox's node);
+//!   proxy's connection tunnels through the sandbox's node), and over HTTPS by E2B's host
+//!   route (`<port>-<id>.<domain>`) through gateway 1's TLS listener;
 //! - a gateway restarted (stateless: routes are in the directory) serves the same sandboxes;
 //! - the E2B Python SDK, unchanged: create, `run_code`, `files`, `commands` through gateway 1,
 //!   then `Sandbox.connect` and the same sandbox's state through gateway 2;
@@ -35,7 +36,9 @@
 //!
 //! - a named snapshot, fleet-wide by name, uploaded; creates from it on several nodes;
 //!
-//! Not yet here (docs/cluster.md, "Not built yet"): a lost node.
+//! - a host that dies (node and VMMs killed) is declared lost within ~10 s by the
+//!   database's clock; its running sandbox answers "lost with its node"; its paused,
+//!   uploaded one continues elsewhere; back, it registers with a new epoch.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -50,6 +53,9 @@ const PG_PORT: u16 = 5432;
 const INTERNAL_PORT: u16 = 7100;
 const API_PORT: u16 = 7070;
 const S3_PORT: u16 = 5000;
+const TLS_PORT: u16 = 7443;
+/// The E2B sandbox domain of gateway 1.
+const DOMAIN: &str = "fleet.test";
 /// The blob store's bucket and prefix.
 const BLOBS: &str = "s3://ember/fleet";
 
@@ -432,7 +438,19 @@ impl Cluster {
         if new_host {
             self.add_host(&name, 20 + i);
         }
-        let args = self.gateway_args(i);
+        let mut args = self.gateway_args(i);
+        if i == 1 {
+            // Gateway 1 also serves HTTPS for the E2B domain (its certificates in a directory
+            // every gateway of a fleet would share).
+            args.extend([
+                "--domain".to_string(),
+                DOMAIN.to_string(),
+                "--tls-listen".to_string(),
+                format!("{NET}.21:{TLS_PORT}"),
+                "--tls-dir".to_string(),
+                self.dir.path().join("tls").display().to_string(),
+            ]);
+        }
         self.spawn(&name, &name, &args, None);
     }
 
@@ -450,6 +468,32 @@ impl Cluster {
             }
             let _ = p.child.kill();
             let _ = p.child.wait();
+        }
+    }
+
+    /// A host's death: node `i`'s process and every VMM it started (its jails' uids) are
+    /// killed with SIGKILL at once.
+    fn kill_host(&mut self, i: u8) {
+        let name = format!("n{i}");
+        if let Some(k) = self.procs.iter().position(|p| p.name == name) {
+            let mut p = self.procs.remove(k);
+            let _ = p.child.kill();
+            let _ = p.child.wait();
+        }
+        let base = 400_000 + u32::from(i) * 10_000;
+        let ps = run(Command::new("ps").args(["-eo", "pid=,uid="]));
+        for l in ps.lines() {
+            let mut f = l.split_whitespace();
+            let (Some(pid), Some(uid)) = (f.next(), f.next()) else {
+                continue;
+            };
+            let (Ok(pid), Ok(uid)) = (pid.parse::<i32>(), uid.parse::<u32>()) else {
+                continue;
+            };
+            if (base..base + 10_000).contains(&uid) {
+                // SAFETY: kill has no memory effects; the pid is a VMM of this test's node.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
         }
     }
 
@@ -788,6 +832,34 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
         }
     };
     assert_eq!(body, "hello through the fleet");
+    // The same page through gateway 1's HTTPS listener, by E2B's host route, with the
+    // sandbox's own access token (as the E2B SDKs send it).
+    let net: serde_json::Value = ureq::get(&format!("{}/v1/sandboxes/{web}/network", c.gw_url(1)))
+        .set("authorization", &format!("Bearer {}", c.token()))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap();
+    let own = net["access_token"].as_str().unwrap().to_string();
+    let host = format!("8000-{web}.{DOMAIN}");
+    let out = Command::new("curl")
+        .args(["-sS", "--fail", "--max-time", "20", "--resolve"])
+        .arg(format!("{host}:{TLS_PORT}:{NET}.21"))
+        .arg("--cacert")
+        .arg(c.dir.path().join("tls/ca.pem"))
+        .arg("-H")
+        .arg(format!("X-Access-Token: {own}"))
+        .arg("-H")
+        .arg(format!("E2B-Traffic-Access-Token: {own}"))
+        .arg(format!("https://{host}:{TLS_PORT}/hello.txt"))
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "hello through the fleet",
+        "https://{host}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let r = ureq::get(&page).call();
     assert!(
         matches!(r, Err(ureq::Error::Status(401, _))),
@@ -1135,6 +1207,71 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
     c.ember_ok(2, &["sandbox", "kill", &admitted[0]]);
     let sixth = c.ember_ok(1, &["sandbox", "create"]);
     assert_eq!(sixth.trim().len(), 16, "{sixth}");
+
+    // A host dies (its node and VMMs killed at once): it is declared lost by the database's
+    // clock; its running sandbox is lost with it, with an error that says so (not a hang);
+    // its paused, uploaded sandbox continues on another node; back, it registers again.
+    run(Command::new(bin("ember")).args([
+        "cluster",
+        "quota",
+        "--db",
+        &c.db_url(),
+        "--max-sandboxes",
+        "0",
+    ]));
+    let on_n3 = |c: &Cluster, code: &str| {
+        let id = c
+            .ember_ok(1, &["sandbox", "create", "--node-label", "zone=b"])
+            .trim()
+            .to_string();
+        c.ember_ok(1, &["code", &id, code]);
+        id
+    };
+    let running = on_n3(&c, "r = 1");
+    let paused = on_n3(&c, "p = 2");
+    c.ember_ok(2, &["sandbox", "pause", &paused]);
+    c.wait_sql(
+        &format!("SELECT blob IS NOT NULL FROM sandboxes WHERE id = '{paused}'"),
+        &format!("the pause of {paused} was not uploaded"),
+    );
+    let epoch = |c: &Cluster| c.sql("SELECT epoch FROM nodes WHERE id = 'n3'");
+    let before = epoch(&c);
+    c.kill_host(3);
+    let t_dead = Instant::now();
+    while c.sql("SELECT status FROM nodes WHERE id = 'n3'") != "lost" {
+        assert!(
+            t_dead.elapsed() < Duration::from_secs(30),
+            "n3 not declared lost:\n{}",
+            c.logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let detect = t_dead.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let (ok, _, err) = c.ember(2, &["code", &running, "print(r)"]);
+    assert!(!ok && err.contains("lost with its node n3"), "{err}");
+    eprintln!(
+        "a dead host: declared lost after {detect:.1} s; a call to its running sandbox \
+         answered in {:.0} ms: {}",
+        t.elapsed().as_secs_f64() * 1e3,
+        err.trim()
+    );
+    let out = c.ember_ok(2, &["code", &paused, "print(p)"]);
+    assert_eq!(out.trim(), "2", "{paused} after its host died");
+    c.start_node(3);
+    c.wait_up(
+        "n3",
+        &format!("http://{NET}.13:{INTERNAL_PORT}/internal/v1/health"),
+    );
+    let t_up = Instant::now();
+    while c.sql("SELECT status FROM nodes WHERE id = 'n3'") != "up" {
+        assert!(
+            t_up.elapsed() < Duration::from_secs(10),
+            "n3 did not come back"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_ne!(epoch(&c), before, "n3 came back with the same epoch");
     eprintln!(
         "cluster scenario done in {:.1} s",
         t0.elapsed().as_secs_f64()

@@ -79,6 +79,14 @@ pub struct GatewayArgs {
     /// After SIGINT/SIGTERM, how long open streams may go on, seconds.
     #[arg(long, value_name = "SECS", default_value_t = 10)]
     pub shutdown_grace: u64,
+    /// Also serve HTTPS here (the E2B SDKs' `https://<port>-<id>.<domain>` and
+    /// `https://api.<domain>`): needs --domain.
+    #[arg(long, value_name = "ADDR", requires = "domain")]
+    pub tls_listen: Option<SocketAddr>,
+    /// The TLS certificates' directory (a local CA and `*.<domain>`, made on first use):
+    /// give every gateway of a fleet the same one, so that clients trust one CA.
+    #[arg(long, value_name = "DIR", requires = "tls_listen")]
+    pub tls_dir: Option<PathBuf>,
     /// The fleet's blob store (as for `ember node --blobs`): artifacts of sandboxes whose
     /// node is gone are read from it.
     #[arg(long, env = "EMBER_BLOBS", value_name = "URL")]
@@ -270,6 +278,9 @@ pub fn gateway_main(a: GatewayArgs) -> ExitCode {
         }
     }
     let fleet = Arc::new(fleet);
+    if let Err(e) = fleet.start_sweeper() {
+        return fail(e);
+    }
     let opts = ServeOptions {
         listen: a.listen,
         token_file: a.token_file.clone(),
@@ -287,10 +298,20 @@ pub fn gateway_main(a: GatewayArgs) -> ExitCode {
         Ok(t) => t,
         Err(e) => return fail(format!("cannot start the async runtime: {e}")),
     };
-    let server = match tokio.block_on(Server::bind(opts)) {
+    let mut server = match tokio.block_on(Server::bind(opts)) {
         Ok(s) => s,
         Err(e) => return fail(e),
     };
+    if let (Some(addr), Some(domain)) = (a.tls_listen, a.domain.as_deref()) {
+        let dir = a
+            .tls_dir
+            .clone()
+            .unwrap_or_else(|| ember_runtime::paths::home_dir().join("tls"));
+        match crate::serve::tls_listener(&dir, domain, addr, &tokio) {
+            Ok(l) => server = server.also_serve(format!("TLS listener on {addr}"), l),
+            Err(e) => return fail(e),
+        }
+    }
     eprintln!(
         "ember: gateway serving on http://{} (bearer token in {})",
         server.local_addr(),
@@ -336,6 +357,7 @@ pub fn cluster_main(c: ClusterCmd) -> ExitCode {
                     match n.status.as_str() {
                         "stopped" => "STOPPED",
                         "draining" => "DRAINING",
+                        "lost" => "LOST",
                         _ if live => "yes",
                         _ => "LOST",
                     },

@@ -132,15 +132,15 @@ pub(crate) fn init_logging() {
         .try_init();
 }
 
-/// The TLS listener on `addr` with the certificates of `$EMBER_HOME/tls` for `domain`.
-fn tls_listener(
-    home: &std::path::Path,
+/// The TLS listener on `addr` with the certificates in `dir` (`$EMBER_HOME/tls` for
+/// `ember serve`) for `domain`, made there on first use.
+pub(crate) fn tls_listener(
+    dir: &std::path::Path,
     domain: &str,
     addr: SocketAddr,
     rt: &tokio::runtime::Runtime,
 ) -> Result<ExtraListener, String> {
-    let dir = home.join("tls");
-    let files = tls::load_or_create(&dir, domain)
+    let files = tls::load_or_create(dir, domain)
         .map_err(|e| format!("TLS certificates in {}: {e}", dir.display()))?;
     let config = tls::server_config(&files).map_err(|e| format!("TLS: {e}"))?;
     let listener = rt
@@ -279,7 +279,7 @@ pub fn run(a: ServeArgs, node: Option<NodeStart>) -> ExitCode {
         Err(e) => return fail(e),
     };
     if let (Some(addr), Some(domain)) = (a.tls_listen, e2b.domain.as_deref()) {
-        match tls_listener(&home, domain, addr, &tokio) {
+        match tls_listener(&home.join("tls"), domain, addr, &tokio) {
             Ok(l) => server = server.also_serve(format!("TLS listener on {addr}"), l),
             Err(e) => return fail(e),
         }

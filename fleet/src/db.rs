@@ -106,6 +106,8 @@ const RESERVATION_TTL_SECS: f64 = 300.0;
 
 /// A key for `pg_advisory_xact_lock` (ember's migrations).
 const MIGRATION_LOCK: i64 = 0x656d_6265_7200_0001;
+/// A key for `pg_try_advisory_xact_lock` (one sweep at a time, whichever gateway runs it).
+const SWEEP_LOCK: i64 = 0x656d_6265_7200_0002;
 
 /// What a node tells the fleet about itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -205,7 +207,7 @@ impl Db {
     /// Connects to `url` (`postgres://user@host:port/db`) and applies the migrations it
     /// lacks.
     pub fn open(url: &str) -> Result<Db, FleetError> {
-        let mut client = Client::connect(url, NoTls)
+        let mut client = connect(url)
             .map_err(|e| FleetError::Db(format!("cannot connect to {}: {e}", redact(url))))?;
         migrate(&mut client)?;
         Ok(Db {
@@ -220,7 +222,7 @@ impl Db {
     ) -> Result<T, FleetError> {
         let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
         if c.is_closed() {
-            *c = Client::connect(&self.url, NoTls).map_err(|e| {
+            *c = connect(&self.url).map_err(|e| {
                 FleetError::Db(format!("cannot reconnect to {}: {e}", redact(&self.url)))
             })?;
         }
@@ -293,11 +295,15 @@ impl Db {
                 &[&id, &live, &SETTLE_SECS],
             )
             .map_err(db_err("heartbeat: ended sandboxes"))?;
+            // Moved to another node while this one was away, or declared lost with it: this
+            // node's copies must go (a sandbox never answers from two VMs).
             let elsewhere = tx
                 .query(
                     "SELECT id FROM sandboxes
-                     WHERE id = ANY($2) AND node IS DISTINCT FROM $1 AND NOT pending
-                       AND updated_at < now() - make_interval(secs => $3)",
+                     WHERE id = ANY($2) AND NOT pending
+                       AND ((node IS DISTINCT FROM $1
+                             AND updated_at < now() - make_interval(secs => $3))
+                            OR (node = $1 AND state = 'lost'))",
                     &[&id, &live, &SETTLE_SECS],
                 )
                 .map_err(db_err("heartbeat: moved sandboxes"))?
@@ -306,7 +312,9 @@ impl Db {
                 .collect();
             tx.commit().map_err(db_err("heartbeat: commit"))?;
             Ok(Heartbeat {
-                known: status.is_some(),
+                // A node declared lost registers again (a new epoch) once it has dropped what
+                // went with it.
+                known: status.as_deref().is_some_and(|s| s != "lost"),
                 draining: status.as_deref() == Some("draining"),
                 elsewhere,
             })
@@ -413,14 +421,79 @@ impl Db {
     /// Turns reservation `resv` into the route of sandbox `id` on `node`.
     pub fn confirm(&self, resv: &str, id: &str, node: &str) -> Result<(), FleetError> {
         self.with(|c| {
-            c.execute(
-                "UPDATE sandboxes SET id = $2, node = $3, pending = false, created_at = now(),
-                        updated_at = now()
-                 WHERE id = $1",
-                &[&resv, &id, &node],
-            )
-            .map_err(db_err("recording a created sandbox"))?;
+            let n = c
+                .execute(
+                    "UPDATE sandboxes SET id = $2, node = $3, pending = false,
+                        created_at = now(), updated_at = now()
+                     WHERE id = $1",
+                    &[&resv, &id, &node],
+                )
+                .map_err(db_err("recording a created sandbox"))?;
+            // The sweep took the reservation of a create that took long: the route is
+            // recorded all the same.
+            if n == 0 {
+                c.execute(
+                    "INSERT INTO sandboxes (id, node) VALUES ($1, $2)
+                     ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node",
+                    &[&id, &node],
+                )
+                .map_err(db_err("recording a created sandbox"))?;
+            }
             Ok(())
+        })
+    }
+
+    /// One sweep of the fleet (any gateway may run it; an advisory lock makes sweeps one at
+    /// a time): nodes silent for `lost_after` seconds, by the database's clock, are declared
+    /// lost (their epoch bumped); what they ran, and what they paused without an upload, is
+    /// marked ended and lost (their paused, uploaded sandboxes stay: another node may take
+    /// them); reservations older than `stale_after` seconds (a gateway that died mid-create)
+    /// are removed. Returns the nodes declared lost and how many sandboxes went with them.
+    pub fn sweep(
+        &self,
+        lost_after: f64,
+        stale_after: f64,
+    ) -> Result<(Vec<String>, u64), FleetError> {
+        self.with(|c| {
+            let mut tx = c.transaction().map_err(db_err("sweep"))?;
+            let got: bool = tx
+                .query_one("SELECT pg_try_advisory_xact_lock($1)", &[&SWEEP_LOCK])
+                .map_err(db_err("sweep: lock"))?
+                .get(0);
+            if !got {
+                return Ok((Vec::new(), 0));
+            }
+            let lost: Vec<String> = tx
+                .query(
+                    "UPDATE nodes SET status = 'lost', epoch = epoch + 1
+                     WHERE status IN ('up', 'draining')
+                       AND heartbeat_at < now() - make_interval(secs => $1)
+                     RETURNING id",
+                    &[&lost_after],
+                )
+                .map_err(db_err("sweep: nodes"))?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let mut gone = 0;
+            if !lost.is_empty() {
+                gone = tx
+                    .execute(
+                        "UPDATE sandboxes SET ended = true, state = 'lost'
+                         WHERE node = ANY($1) AND NOT ended AND NOT pending
+                           AND (state = 'running' OR blob IS NULL)",
+                        &[&lost],
+                    )
+                    .map_err(db_err("sweep: sandboxes"))?;
+            }
+            tx.execute(
+                "DELETE FROM sandboxes WHERE pending
+                 AND created_at < now() - make_interval(secs => $1)",
+                &[&stale_after],
+            )
+            .map_err(db_err("sweep: reservations"))?;
+            tx.commit().map_err(db_err("sweep: commit"))?;
+            Ok((lost, gone))
         })
     }
 
@@ -865,6 +938,18 @@ impl Db {
             Ok(row.get(0))
         })
     }
+}
+
+/// How long a connection to the directory may take (unless the URL says): a database that
+/// is away fails a call in seconds, not after the system's TCP timeout.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+fn connect(url: &str) -> Result<Client, postgres::Error> {
+    let mut cfg: postgres::Config = url.parse()?;
+    if cfg.get_connect_timeout().is_none() {
+        cfg.connect_timeout(CONNECT_TIMEOUT);
+    }
+    cfg.connect(NoTls)
 }
 
 fn migrate(c: &mut Client) -> Result<(), FleetError> {

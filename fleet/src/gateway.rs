@@ -29,6 +29,12 @@ pub const API_KEY: &str = "default";
 
 /// A node is live when its last heartbeat is this recent.
 pub const LIVE_WITHIN: Duration = Duration::from_secs(10);
+/// A node silent this long is declared lost by the sweep (with what it ran).
+pub const LOST_AFTER: Duration = Duration::from_secs(10);
+/// A create's reservation this old is a gateway's that died mid-create: the sweep removes it.
+pub const STALE_RESERVATION: Duration = Duration::from_secs(30);
+/// How often a gateway sweeps.
+const SWEEP_EVERY: Duration = Duration::from_secs(2);
 
 /// The fleet, as a gateway sees it.
 #[derive(Debug)]
@@ -70,6 +76,39 @@ impl Fleet {
             nodes: Mutex::new(None),
             blobs: None,
         }
+    }
+
+    /// Starts this gateway's sweeper (a thread; every gateway runs one, the directory's lock
+    /// lets one sweep at a time): nodes silent for [`LOST_AFTER`] are declared lost with what
+    /// they ran, and reservations of creates a dead gateway left are removed.
+    pub fn start_sweeper(self: &Arc<Self>) -> Result<(), crate::FleetError> {
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("ember-sweep".into())
+            .spawn(move || loop {
+                std::thread::sleep(SWEEP_EVERY);
+                let Some(fleet) = weak.upgrade() else { return };
+                match fleet
+                    .db
+                    .sweep(LOST_AFTER.as_secs_f64(), STALE_RESERVATION.as_secs_f64())
+                {
+                    Ok((lost, gone)) => {
+                        for n in &lost {
+                            tracing::warn!(
+                                "node {n} declared lost: no heartbeat for {} s ({gone} \
+                                 sandbox(es) lost with the nodes declared now)",
+                                LOST_AFTER.as_secs()
+                            );
+                        }
+                        if !lost.is_empty() {
+                            *lock(&fleet.nodes) = None;
+                        }
+                    }
+                    Err(e) => tracing::debug!("sweep: {e}"),
+                }
+            })
+            .map(drop)
+            .map_err(|e| crate::FleetError::Io(format!("cannot start the sweeper: {e}")))
     }
 
     /// Reads from the blob store what outlives a node (artifacts).
@@ -265,6 +304,18 @@ impl Fleet {
         let Some(s) = self.db.sandbox(id).map_err(db_error)? else {
             return Err(RuntimeError::NotFound(id.to_string()));
         };
+        if s.ended && s.state == "lost" {
+            return Err(RuntimeError::conflict(
+                id,
+                ember_runtime::State::Failed,
+                format!(
+                    "lost with its node {} (no heartbeat for {} s; it was running, or paused \
+                     without an upload)",
+                    s.node.as_deref().unwrap_or("?"),
+                    LOST_AFTER.as_secs()
+                ),
+            ));
+        }
         if s.ended {
             return Err(RuntimeError::NotFound(id.to_string()));
         }

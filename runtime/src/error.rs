@@ -195,7 +195,8 @@ impl RuntimeError {
         }
     }
 
-    pub(crate) fn conflict(id: &str, state: State, message: impl Into<String>) -> Self {
+    /// Sandbox `id` is in `state`, which refuses the call (`message` says why).
+    pub fn conflict(id: &str, state: State, message: impl Into<String>) -> Self {
         RuntimeError::Conflict {
             id: id.to_owned(),
             state: state.as_str(),
