@@ -60,7 +60,17 @@ job "ember-gateway" {
       template {
         destination = "${NOMAD_SECRETS_DIR}/ember.env"
         env         = true
-        data        = "{{ with nomadVar \"nomad/jobs/ember-gateway\" }}EMBER_DB={{ .db_url }}{{ end }}"
+        # The directory; the blob store (artifacts of sandboxes whose node is gone).
+        data        = <<-EOT
+          {{ with nomadVar "nomad/jobs/ember-gateway" -}}
+          EMBER_DB={{ .db_url }}
+          EMBER_BLOBS={{ .blob_url }}
+          AWS_ACCESS_KEY_ID={{ .aws_access_key_id }}
+          AWS_SECRET_ACCESS_KEY={{ .aws_secret_access_key }}
+          AWS_REGION={{ .aws_region }}
+          {{ if .aws_endpoint_url }}AWS_ENDPOINT_URL={{ .aws_endpoint_url }}{{ end }}
+          {{- end }}
+          EOT
       }
 
       template {
