@@ -36,6 +36,8 @@
 //!
 //! - a named snapshot, fleet-wide by name, uploaded; creates from it on several nodes;
 //!
+//! - the directory away for 10 s: calls to existing sandboxes go on, creates fail fast with
+//!   503, nothing is declared lost, creates come back after it returns;
 //! - a host that dies (node and VMMs killed) is declared lost within ~10 s by the
 //!   database's clock; its running sandbox answers "lost with its node"; its paused,
 //!   uploaded one continues elsewhere; back, it registers with a new epoch.
@@ -225,26 +227,7 @@ impl Cluster {
         let mut text = std::fs::read_to_string(&hba).unwrap();
         text.push_str(&format!("host all all {NET}.0/24 trust\n"));
         std::fs::write(&hba, text).unwrap();
-        let opts = format!(
-            "-c listen_addresses={NET}.2 -c port={PG_PORT} -c unix_socket_directories={}",
-            self.pg_dir.display()
-        );
-        run(Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &self.ns("pg"),
-                "runuser",
-                "-u",
-                "postgres",
-                "--",
-            ])
-            .arg(self.pg_bin.join("pg_ctl"))
-            .arg("-D")
-            .arg(&data)
-            .args(["-o", &opts, "-l"])
-            .arg(self.pg_dir.join("log"))
-            .args(["-w", "-t", "60", "start"]));
+        self.pg_ctl("start");
         run(Command::new(self.pg_bin.join("psql"))
             .args(["-h", &format!("{NET}.2"), "-p", &PG_PORT.to_string()])
             .args([
@@ -255,6 +238,36 @@ impl Cluster {
                 "-qc",
                 "CREATE DATABASE ember",
             ]));
+    }
+
+    /// `pg_ctl start` (in host `pg`, listening on {NET}.2) or `pg_ctl stop` (fast: open
+    /// connections are cut, as when the database goes away).
+    fn pg_ctl(&self, action: &str) {
+        let opts = format!(
+            "-c listen_addresses={NET}.2 -c port={PG_PORT} -c unix_socket_directories={}",
+            self.pg_dir.display()
+        );
+        let mut cmd = Command::new("ip");
+        cmd.args([
+            "netns",
+            "exec",
+            &self.ns("pg"),
+            "runuser",
+            "-u",
+            "postgres",
+            "--",
+        ])
+        .arg(self.pg_bin.join("pg_ctl"))
+        .arg("-D")
+        .arg(self.pg_dir.join("data"));
+        match action {
+            "start" => cmd
+                .args(["-o", &opts, "-l"])
+                .arg(self.pg_dir.join("log"))
+                .args(["-w", "-t", "60", "start"]),
+            _ => cmd.args(["-m", "fast", "-w", "stop"]),
+        };
+        run(&mut cmd);
     }
 
     /// Starts moto's S3 server in host `s3` ({NET}.3) and makes the bucket.
@@ -1208,9 +1221,10 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
     let sixth = c.ember_ok(1, &["sandbox", "create"]);
     assert_eq!(sixth.trim().len(), 16, "{sixth}");
 
-    // A host dies (its node and VMMs killed at once): it is declared lost by the database's
-    // clock; its running sandbox is lost with it, with an error that says so (not a hang);
-    // its paused, uploaded sandbox continues on another node; back, it registers again.
+    // The directory goes away for 10 s: calls to existing sandboxes go on (the gateways'
+    // route caches; the nodes need no database to serve them), a create fails fast with a
+    // 503 naming the directory, and nothing is declared lost; creates work again soon after
+    // its return.
     run(Command::new(bin("ember")).args([
         "cluster",
         "quota",
@@ -1219,6 +1233,75 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
         "--max-sandboxes",
         "0",
     ]));
+    let alive: Vec<String> = admitted[1..]
+        .iter()
+        .cloned()
+        .chain([sixth.trim().to_string()])
+        .collect();
+    for id in &alive {
+        for gw in 1..=2 {
+            c.ember_ok(gw, &["code", id, "print(1)"]);
+        }
+    }
+    c.pg_ctl("stop");
+    let t_out = Instant::now();
+    let (mut ok_calls, mut failed_calls) = (0u32, Vec::new());
+    while t_out.elapsed() < Duration::from_secs(10) {
+        for (k, id) in alive.iter().enumerate() {
+            let gw = 1 + (k % 2) as u8;
+            let (ok, out, err) = c.ember(gw, &["code", id, "print(6 * 7)"]);
+            if ok && out.trim() == "42" {
+                ok_calls += 1;
+            } else {
+                failed_calls.push(err);
+            }
+        }
+    }
+    let t = Instant::now();
+    let (ok, _, err) = c.ember(1, &["sandbox", "create"]);
+    let refused_ms = t.elapsed().as_secs_f64() * 1e3;
+    assert!(
+        !ok && err.contains("HTTP 503") && err.contains("directory"),
+        "a create with the directory away: {err}"
+    );
+    let total = ok_calls as usize + failed_calls.len();
+    assert!(
+        failed_calls.len() * 100 <= total,
+        "with the directory away, {} of {total} calls failed: {:?}",
+        failed_calls.len(),
+        failed_calls.first()
+    );
+    c.pg_ctl("start");
+    let t_back = Instant::now();
+    let created = loop {
+        let (ok, out, _) = c.ember(2, &["sandbox", "create"]);
+        if ok {
+            break out.trim().to_string();
+        }
+        assert!(
+            t_back.elapsed() < Duration::from_secs(10),
+            "creates did not come back:\n{}",
+            c.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let back_ms = t_back.elapsed().as_secs_f64() * 1e3;
+    eprintln!(
+        "the directory away for 10 s: {ok_calls} of {total} calls to existing sandboxes \
+         succeeded; a create was refused in {refused_ms:.0} ms (503); creates back {back_ms:.0} \
+         ms after its return"
+    );
+    // Past the sweep's grace (it waits until it has reached the directory for longer than a
+    // node's silence may last): no node was declared lost for the outage.
+    std::thread::sleep(Duration::from_secs(14));
+    for n in c.status() {
+        assert_eq!(n["status"], "up", "after the directory's outage: {n}");
+    }
+    c.ember_ok(1, &["sandbox", "kill", &created]);
+
+    // A host dies (its node and VMMs killed at once): it is declared lost by the database's
+    // clock; its running sandbox is lost with it, with an error that says so (not a hang);
+    // its paused, uploaded sandbox continues on another node; back, it registers again.
     let on_n3 = |c: &Cluster, code: &str| {
         let id = c
             .ember_ok(1, &["sandbox", "create", "--node-label", "zone=b"])

@@ -444,8 +444,8 @@ impl Db {
     }
 
     /// One sweep of the fleet (any gateway may run it; an advisory lock makes sweeps one at
-    /// a time): nodes silent for `lost_after` seconds, by the database's clock, are declared
-    /// lost (their epoch bumped); what they ran, and what they paused without an upload, is
+    /// a time): with `declare`, nodes silent for `lost_after` seconds, by the database's
+    /// clock, are declared lost (their epoch bumped); what they ran, and what they paused without an upload, is
     /// marked ended and lost (their paused, uploaded sandboxes stay: another node may take
     /// them); reservations older than `stale_after` seconds (a gateway that died mid-create)
     /// are removed. Returns the nodes declared lost and how many sandboxes went with them.
@@ -453,6 +453,7 @@ impl Db {
         &self,
         lost_after: f64,
         stale_after: f64,
+        declare: bool,
     ) -> Result<(Vec<String>, u64), FleetError> {
         self.with(|c| {
             let mut tx = c.transaction().map_err(db_err("sweep"))?;
@@ -463,8 +464,8 @@ impl Db {
             if !got {
                 return Ok((Vec::new(), 0));
             }
-            let lost: Vec<String> = tx
-                .query(
+            let lost: Vec<String> = if declare {
+                tx.query(
                     "UPDATE nodes SET status = 'lost', epoch = epoch + 1
                      WHERE status IN ('up', 'draining')
                        AND heartbeat_at < now() - make_interval(secs => $1)
@@ -474,7 +475,10 @@ impl Db {
                 .map_err(db_err("sweep: nodes"))?
                 .iter()
                 .map(|r| r.get(0))
-                .collect();
+                .collect()
+            } else {
+                Vec::new()
+            };
             let mut gone = 0;
             if !lost.is_empty() {
                 gone = tx

@@ -61,7 +61,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn db_error(e: crate::FleetError) -> RuntimeError {
-    RuntimeError::Internal(format!("the fleet's directory: {e}"))
+    RuntimeError::Unavailable(format!("the fleet's directory: {e}; retry"))
 }
 
 impl Fleet {
@@ -85,26 +85,41 @@ impl Fleet {
         let weak = Arc::downgrade(self);
         std::thread::Builder::new()
             .name("ember-sweep".into())
-            .spawn(move || loop {
-                std::thread::sleep(SWEEP_EVERY);
-                let Some(fleet) = weak.upgrade() else { return };
-                match fleet
-                    .db
-                    .sweep(LOST_AFTER.as_secs_f64(), STALE_RESERVATION.as_secs_f64())
-                {
-                    Ok((lost, gone)) => {
-                        for n in &lost {
-                            tracing::warn!(
-                                "node {n} declared lost: no heartbeat for {} s ({gone} \
+            .spawn(move || {
+                // Nodes are declared lost only once this gateway has reached the directory
+                // for longer than LOST_AFTER: after an outage of the directory (when no node
+                // could heartbeat), the nodes get their chance to beat first.
+                let mut reachable_since: Option<std::time::Instant> = None;
+                loop {
+                    std::thread::sleep(SWEEP_EVERY);
+                    let Some(fleet) = weak.upgrade() else { return };
+                    let declare =
+                        reachable_since.is_some_and(|t| t.elapsed() >= LOST_AFTER + SWEEP_EVERY);
+                    let swept = fleet.db.sweep(
+                        LOST_AFTER.as_secs_f64(),
+                        STALE_RESERVATION.as_secs_f64(),
+                        declare,
+                    );
+                    reachable_since = match (&swept, reachable_since) {
+                        (Ok(_), None) => Some(std::time::Instant::now()),
+                        (Ok(_), since) => since,
+                        (Err(_), _) => None,
+                    };
+                    match swept {
+                        Ok((lost, gone)) => {
+                            for n in &lost {
+                                tracing::warn!(
+                                    "node {n} declared lost: no heartbeat for {} s ({gone} \
                                  sandbox(es) lost with the nodes declared now)",
-                                LOST_AFTER.as_secs()
-                            );
+                                    LOST_AFTER.as_secs()
+                                );
+                            }
+                            if !lost.is_empty() {
+                                *lock(&fleet.nodes) = None;
+                            }
                         }
-                        if !lost.is_empty() {
-                            *lock(&fleet.nodes) = None;
-                        }
+                        Err(e) => tracing::debug!("sweep: {e}"),
                     }
-                    Err(e) => tracing::debug!("sweep: {e}"),
                 }
             })
             .map(drop)

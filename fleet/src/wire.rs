@@ -179,6 +179,7 @@ impl WireError {
                 message: self.message,
             },
             "port_unreachable" => RuntimeError::Unreachable(self.message),
+            "unavailable" => RuntimeError::Unavailable(self.message),
             _ => match self.guest {
                 Some(code) => RuntimeError::Guest {
                     id,

@@ -24,6 +24,8 @@ pub enum ErrorClass {
     Timeout,
     /// The guest refused or failed the call (the call reached the sandbox; 422).
     Guest,
+    /// A service the call needs is away for now (a fleet's directory); retry (503).
+    Unavailable,
     /// A fault of the host or the runtime (500).
     Internal,
 }
@@ -107,6 +109,9 @@ pub enum RuntimeError {
     /// A guest port did not accept a connection (nothing listens, or it refused).
     #[error("{0}")]
     Unreachable(String),
+    /// A service the call needs is away for now (a fleet's directory): retry later.
+    #[error("{0}")]
+    Unavailable(String),
     /// Anything else that is the host's fault.
     #[error("{0}")]
     Internal(String),
@@ -155,6 +160,7 @@ impl RuntimeError {
             RuntimeError::Capacity(_) => ErrorClass::Capacity,
             RuntimeError::Timeout { .. } => ErrorClass::Timeout,
             RuntimeError::Guest { .. } | RuntimeError::Unreachable(_) => ErrorClass::Guest,
+            RuntimeError::Unavailable(_) => ErrorClass::Unavailable,
             _ => ErrorClass::Internal,
         }
     }
@@ -191,6 +197,7 @@ impl RuntimeError {
             RuntimeError::Store(_) => "store_error",
             RuntimeError::Io { .. } => "host_io_error",
             RuntimeError::Unreachable(_) => "port_unreachable",
+            RuntimeError::Unavailable(_) => "unavailable",
             RuntimeError::Internal(_) => "internal",
         }
     }

@@ -58,6 +58,7 @@ pub fn status_of(class: ErrorClass) -> StatusCode {
         ErrorClass::Capacity => StatusCode::TOO_MANY_REQUESTS,
         ErrorClass::Timeout => StatusCode::GATEWAY_TIMEOUT,
         ErrorClass::Guest => StatusCode::UNPROCESSABLE_ENTITY,
+        ErrorClass::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         ErrorClass::Internal => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
