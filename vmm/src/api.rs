@@ -9,7 +9,20 @@
 //! {"op":"snapshot","dir":"/s","kind":"layer","after":"exit"} → {"ok":true,…}  (kind: full|diff|layer)
 //! {"op":"stats"}                                  → {"ok":true,"stats":{…,"kvm":{"vcpu":{"exits":…},"vm":{…}},"vsock":{…}}}
 //! {"op":"shutdown"}                               → {"ok":true}   (then the VMM exits 0)
+//! {"op":"watchdog","timeout_ms":1000}             → {"ok":true,"paused_by_watchdog":false}
+//! {"op":"watchdog","timeout_ms":0}                → {"ok":true,"paused_by_watchdog":false}  (disarms)
+//! {"op":"watchdog","timeout_ms":5}                → {"ok":false,"error":"watchdog timeout_ms 5 is out of bounds: …"}
 //! ```
+//!
+//! `watchdog` is opt-in ([`crate::watchdog`]): `timeout_ms` > 0 (100 ms to 1 h) arms it, 0
+//! disarms it, and every such request is a keep-alive: the deadline becomes now +
+//! `timeout_ms`. When a deadline passes without one, the VMM pauses its vCPUs (as `pause`
+//! does; a `watchdog_expired` report event) — a VM whose owner froze stops acting. The next
+//! keep-alive resumes a VM the watchdog paused (`"paused_by_watchdog":true` in its reply), but
+//! not one paused deliberately: an explicit `pause` or `snapshot` takes the VM over from the
+//! watchdog, and `resume` resumes as usual. `stats` carries
+//! `"watchdog":{"armed_ms":N|null,"paused_by_watchdog":bool,"expiries":N}`. A restored VM
+//! starts with it disarmed.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
@@ -82,6 +95,14 @@ pub enum Request {
     },
     /// Stop the VM and exit 0.
     Shutdown,
+    /// Arm (`timeout_ms` > 0) or disarm (0) the VMM watchdog ([`crate::watchdog`]); every such
+    /// request is also a keep-alive (the deadline becomes now + `timeout_ms`), and resumes the
+    /// VM if the watchdog had paused it.
+    Watchdog {
+        /// The period: 0 disarms, otherwise [`crate::watchdog::MIN_TIMEOUT_MS`] to
+        /// [`crate::watchdog::MAX_TIMEOUT_MS`].
+        timeout_ms: u64,
+    },
 }
 
 /// Id of a client connection.
@@ -320,6 +341,31 @@ mod tests {
         assert!(
             serde_json::from_str::<Request>(r#"{"op":"snapshot","dir":"/s","colour":1}"#).is_err()
         );
+    }
+
+    #[test]
+    fn watchdog_wire_format() {
+        let r: Request = serde_json::from_str(r#"{"op":"watchdog","timeout_ms":1000}"#).unwrap();
+        assert_eq!(r, Request::Watchdog { timeout_ms: 1000 });
+        let r: Request = serde_json::from_str(r#"{"op":"watchdog","timeout_ms":0}"#).unwrap();
+        assert_eq!(r, Request::Watchdog { timeout_ms: 0 });
+        assert_eq!(
+            serde_json::to_value(Request::Watchdog { timeout_ms: 250 }).unwrap(),
+            serde_json::json!({"op": "watchdog", "timeout_ms": 250})
+        );
+        // The period is required, a whole number of ms, not negative; nothing else is taken.
+        for bad in [
+            r#"{"op":"watchdog"}"#,
+            r#"{"op":"watchdog","timeout_ms":-1}"#,
+            r#"{"op":"watchdog","timeout_ms":1.5}"#,
+            r#"{"op":"watchdog","timeout_ms":"1000"}"#,
+            r#"{"op":"watchdog","timeout_ms":1000,"action":"reset"}"#,
+        ] {
+            assert!(serde_json::from_str::<Request>(bad).is_err(), "{bad}");
+        }
+        // Out-of-bounds values parse; the VM refuses them (crate::watchdog::period).
+        let r: Request = serde_json::from_str(r#"{"op":"watchdog","timeout_ms":5}"#).unwrap();
+        assert_eq!(r, Request::Watchdog { timeout_ms: 5 });
     }
 
     #[test]

@@ -34,6 +34,7 @@ pub mod vcpu;
 pub mod vm;
 pub mod vsock_host;
 pub mod vstate;
+pub mod watchdog;
 pub mod workingset;
 
 pub use config::VmConfig;

@@ -1,6 +1,7 @@
 //! The running VM: [`Vm`], assembled by a builder ([`crate::builder`]) from its [`Parts`]; its
 //! vCPU threads and the event loop on the calling thread ([`Vm::run`]), and the control
-//! socket's requests (pause, resume, stats, working set, snapshot, shutdown).
+//! socket's requests (pause, resume, stats, working set, snapshot, shutdown, watchdog — the
+//! loop wakes at the watchdog's deadline and pauses the vCPUs there, [`crate::watchdog`]).
 //!
 //! Dependencies go one way: the builders use this module, never the other way round; a
 //! snapshot request is written by [`crate::persist`] from borrowed parts of the paused VM
@@ -9,6 +10,7 @@
 
 use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use event_manager::{EventOps, Events, MutEventSubscriber, SubscriberOps};
 use kvm_ioctls::VmFd;
@@ -26,6 +28,7 @@ pub use crate::error::VmError;
 use crate::persist::SnapshotSource;
 use crate::report::{Reporter, StartTime};
 use crate::vcpu::{self, Vcpu, VcpuExitReason, VcpuHandle};
+use crate::watchdog::Watchdog;
 
 /// How the VM ended.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -342,9 +345,14 @@ impl Vm {
         let mut control = Control {
             paused: None,
             exit: None,
+            watchdog: Watchdog::default(),
         };
         let exit = loop {
-            self.events.run().map_err(VmError::EventLoop)?;
+            // Blocks until an event, or until the watchdog's deadline when one is pending.
+            let wait_ms = control.watchdog.wait_ms(Instant::now());
+            self.events
+                .run_with_timeout(wait_ms)
+                .map_err(VmError::EventLoop)?;
             if let Some(e) = self.exit.lock().unwrap_or_else(|p| p.into_inner()).take() {
                 break e;
             }
@@ -359,6 +367,10 @@ impl Vm {
             }
             if let Some(e) = control.exit.take() {
                 break e;
+            }
+            // After this iteration's requests: a keep-alive that came with the deadline wins.
+            if control.watchdog.poll_expired(Instant::now()) {
+                self.watchdog_expired(&handles, &mut control);
             }
         };
         for h in &handles {
@@ -386,6 +398,8 @@ struct Control {
     paused: Option<Vec<crate::vstate::VcpuState>>,
     /// Set when a request ends the VM.
     exit: Option<VmExit>,
+    /// The opt-in watchdog (`watchdog` requests).
+    watchdog: Watchdog,
 }
 
 impl Vm {
@@ -397,15 +411,36 @@ impl Vm {
     ) -> serde_json::Value {
         use serde_json::json;
         match req {
-            Request::Pause => match pause_all(handles, control) {
-                Ok(()) => json!({ "ok": true }),
-                Err(e) => json!({ "ok": false, "error": e }),
-            },
+            Request::Pause => {
+                // Deliberately paused now, even if the watchdog had paused it already.
+                control.watchdog.deliberately_paused();
+                match pause_all(handles, control) {
+                    Ok(()) => json!({ "ok": true }),
+                    Err(e) => json!({ "ok": false, "error": e }),
+                }
+            }
             Request::Resume => {
                 resume_all(handles, control);
+                control.watchdog.deliberately_resumed(Instant::now());
                 json!({ "ok": true })
             }
-            Request::Stats => json!({ "ok": true, "stats": self.stats(control.paused.is_some()) }),
+            Request::Watchdog { timeout_ms } => {
+                match control.watchdog.keep_alive(timeout_ms, Instant::now()) {
+                    Ok(resume) => {
+                        if resume {
+                            resume_all(handles, control);
+                            tracing::info!("watchdog: keep-alive received, vCPUs resumed");
+                            self.reporter.event(
+                                "watchdog_resumed",
+                                json!({ "mono_ns": crate::report::monotonic_ns() }),
+                            );
+                        }
+                        json!({ "ok": true, "paused_by_watchdog": resume })
+                    }
+                    Err(e) => json!({ "ok": false, "error": e.to_string() }),
+                }
+            }
+            Request::Stats => json!({ "ok": true, "stats": self.stats(control) }),
             Request::RecordWorkingSet { dir } => {
                 let r = crate::workingset::record(&self.memory).and_then(|set| {
                     crate::workingset::save(&dir, &set)?;
@@ -421,6 +456,9 @@ impl Vm {
                 json!({ "ok": true })
             }
             Request::Snapshot { dir, kind, after } => {
+                // A snapshot takes the VM over from the watchdog: whatever state it leaves the
+                // VM in is deliberate.
+                control.watchdog.deliberately_paused();
                 let was_paused = control.paused.is_some();
                 if let Err(e) = pause_all(handles, control) {
                     return json!({ "ok": false, "error": e });
@@ -449,14 +487,60 @@ impl Vm {
         }
     }
 
-    fn stats(&self, paused: bool) -> serde_json::Value {
+    /// A watchdog deadline expired (once per deadline, so this logs once per expiry): pauses
+    /// the vCPUs unless the VM is already paused, which is then left as it is.
+    fn watchdog_expired(&mut self, handles: &[VcpuHandle], control: &mut Control) {
+        // Only an armed watchdog expires.
+        let timeout_ms = control.watchdog.armed_ms().unwrap_or_default();
+        let expiries = control.watchdog.expiries();
+        let (outcome, error) = if control.paused.is_some() {
+            tracing::warn!(
+                "watchdog: no keep-alive within {timeout_ms} ms (expiry {expiries}); \
+                 the VM was already paused and stays so"
+            );
+            ("already_paused", None)
+        } else {
+            match pause_all(handles, control) {
+                Ok(()) => {
+                    control.watchdog.paused_vm();
+                    tracing::warn!(
+                        "watchdog: no keep-alive within {timeout_ms} ms (expiry {expiries}); \
+                         vCPUs paused until the next keep-alive"
+                    );
+                    ("paused", None)
+                }
+                Err(e) => {
+                    if control.watchdog.pause_failed(Instant::now()) {
+                        tracing::error!(
+                            "watchdog: no keep-alive within {timeout_ms} ms, and pausing the \
+                             vCPUs failed (retried every period, logged once): {e}"
+                        );
+                    }
+                    ("pause_failed", Some(e))
+                }
+            }
+        };
+        self.reporter.event(
+            "watchdog_expired",
+            serde_json::json!({
+                "timeout_ms": timeout_ms,
+                "expiries": expiries,
+                "outcome": outcome,
+                "error": error,
+                "mono_ns": crate::report::monotonic_ns(),
+            }),
+        );
+    }
+
+    fn stats(&self, control: &Control) -> serde_json::Value {
         let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
         let mut f = statm
             .split_whitespace()
             .map(|x| x.parse::<u64>().unwrap_or(0));
         let (size, rss) = (f.next().unwrap_or(0), f.next().unwrap_or(0));
         serde_json::json!({
-            "paused": paused,
+            "paused": control.paused.is_some(),
+            "watchdog": control.watchdog.to_json(),
             "uptime_ms": self.started.elapsed().as_secs_f64() * 1e3,
             "mem_mib": self.config_mem_mib(),
             "vcpus": self.vcpu_count,

@@ -459,6 +459,26 @@ fn control_requests_snapshots_and_restores_run_under_the_filters() {
     // state was already taken", which is about the pause protocol, not about seccomp.
     let ticks = report_events(&p("r1.jsonl"), "boot_marker");
     wait_for_events(&mut vmm, &p("r1.jsonl"), "boot_marker", ticks + 2);
+    // The watchdog: the event loop waits with a timeout, wakes at the deadline and pauses the
+    // vCPUs; a keep-alive (here the disarming one) resumes them.
+    request(
+        &p("a.sock"),
+        serde_json::json!({"op": "watchdog", "timeout_ms": 100}),
+    );
+    wait_for_events(&mut vmm, &p("r1.jsonl"), "watchdog_expired", 1);
+    let stats = request(&p("a.sock"), serde_json::json!({"op": "stats"}));
+    assert_eq!(stats["stats"]["paused"], true, "{stats}");
+    assert_eq!(
+        stats["stats"]["watchdog"]["paused_by_watchdog"], true,
+        "{stats}"
+    );
+    let reply = request(
+        &p("a.sock"),
+        serde_json::json!({"op": "watchdog", "timeout_ms": 0}),
+    );
+    assert_eq!(reply["paused_by_watchdog"], true, "{reply}");
+    let ticks = report_events(&p("r1.jsonl"), "boot_marker");
+    wait_for_events(&mut vmm, &p("r1.jsonl"), "boot_marker", ticks + 2);
     request(
         &p("a.sock"),
         serde_json::json!({"op": "snapshot", "dir": snap, "kind": "full"}),
