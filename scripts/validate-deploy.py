@@ -46,6 +46,7 @@ K8S_VERSIONS = ("1.30", "1.37")
 # A drain pauses and uploads every sandbox of a node: the least time any engine may allow.
 MIN_STOP_SECS = 60
 NODE_HEALTH = "/internal/v1/health"
+NODE_LIVE = "/internal/v1/live"
 GATEWAY_HEALTH = "/healthz"
 # The capabilities `ember node` needs when not privileged.
 NODE_CAPS = {
@@ -515,8 +516,10 @@ def check_k8s_node(objs):
     port = port_of(listen)
     if R.check(port is not None, where, f"{name}: internal API on port {port}",
                f"{name}: --internal-listen has no port ({listen!r})"):
-        for kind in ("readinessProbe", "livenessProbe"):
-            check_probe(where, ds, c, kind, NODE_HEALTH, port)
+        # Readiness: 503 while the node drains or is fenced. Liveness: the process answers
+        # (a draining or fenced node must not be restarted for it).
+        check_probe(where, ds, c, "readinessProbe", NODE_HEALTH, port)
+        check_probe(where, ds, c, "livenessProbe", NODE_LIVE, port)
     pre = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
     drain = find_call(ember_calls(pre), ("cluster", "drain"))
     R.check(drain is not None and "--wait" in flags_of(drain), where,

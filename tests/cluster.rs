@@ -38,673 +38,28 @@
 //!
 //! - the directory away for 10 s: calls to existing sandboxes go on, creates fail fast with
 //!   503, nothing is declared lost, creates come back after it returns;
-//! - a host that dies (node and VMMs killed) is declared lost within ~10 s by the
-//!   database's clock; its running sandbox answers "lost with its node"; its paused,
-//!   uploaded one continues elsewhere; back, it registers with a new epoch.
+//!
+//! The faults (a dead host, a partition, a frozen node, a node restarted, a gateway killed)
+//! are `tests/cluster_faults.rs`'s.
+
+#[path = "cluster/harness.rs"]
+mod harness;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ember_tests::{bin, template};
+use ember_tests::bin;
+use harness::*;
 
 const NAME: &str = "a_fleet_of_three_nodes_serves_through_either_gateway";
-/// The fabric's subnet (one /24, on a bridge in its own namespace).
-const NET: &str = "10.231.0";
-const PG_PORT: u16 = 5432;
-const INTERNAL_PORT: u16 = 7100;
-const API_PORT: u16 = 7070;
-const S3_PORT: u16 = 5000;
-const TLS_PORT: u16 = 7443;
-/// The E2B sandbox domain of gateway 1.
-const DOMAIN: &str = "fleet.test";
-/// The blob store's bucket and prefix.
-const BLOBS: &str = "s3://ember/fleet";
-
-fn run(cmd: &mut Command) -> String {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn ip(args: &[&str]) {
-    run(Command::new("ip").args(args));
-}
-
-fn in_ns(ns: &str, args: &[&str]) {
-    let mut c = Command::new("ip");
-    c.args(["netns", "exec", ns]).args(args);
-    run(&mut c);
-}
-
-/// PostgreSQL's programs (Debian puts them under /usr/lib/postgresql/<version>/bin).
-fn pg_bin() -> Option<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
-        .filter(|d| d.join("initdb").is_file() && d.join("pg_ctl").is_file())
-        .collect();
-    dirs.sort();
-    dirs.pop()
-}
-
-/// A process of the cluster, with its log.
-struct Proc {
-    name: String,
-    child: Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn log_tail(&self, n: usize) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
-    }
-}
-
-/// The namespaces, links, database and processes; all removed on drop.
-struct Cluster {
-    prefix: String,
-    dir: tempfile::TempDir,
-    pg_dir: PathBuf,
-    pg_bin: PathBuf,
-    namespaces: Vec<String>,
-    root_link: String,
-    procs: Vec<Proc>,
-}
-
-impl Cluster {
-    fn ns(&self, host: &str) -> String {
-        format!("{}{host}", self.prefix)
-    }
-
-    fn db_url(&self) -> String {
-        format!("postgres://ember@{NET}.2:{PG_PORT}/ember")
-    }
-
-    /// Makes the fabric and host `host` at `{NET}.{octet}`.
-    fn add_host(&mut self, host: &str, octet: u8) {
-        let ns = self.ns(host);
-        ip(&["netns", "add", &ns]);
-        self.namespaces.push(ns.clone());
-        let (inside, outside) = (
-            format!("{}{host}i", self.prefix),
-            format!("{}{host}o", self.prefix),
-        );
-        ip(&[
-            "link", "add", &inside, "type", "veth", "peer", "name", &outside,
-        ]);
-        ip(&["link", "set", &inside, "netns", &ns]);
-        ip(&["link", "set", &outside, "netns", &self.ns("fab")]);
-        in_ns(
-            &self.ns("fab"),
-            &["ip", "link", "set", &outside, "master", "br0", "up"],
-        );
-        in_ns(
-            &ns,
-            &[
-                "ip",
-                "addr",
-                "add",
-                &format!("{NET}.{octet}/24"),
-                "dev",
-                &inside,
-            ],
-        );
-        in_ns(&ns, &["ip", "link", "set", &inside, "up"]);
-        in_ns(&ns, &["ip", "link", "set", "lo", "up"]);
-    }
-
-    fn new(pg_bin: PathBuf) -> Cluster {
-        let prefix = format!("ec{}", std::process::id() % 100_000);
-        let dir = tempfile::Builder::new()
-            .prefix("ember-cluster-")
-            .tempdir()
-            .expect("temp dir");
-        let pg_dir = dir.path().join("pg");
-        let mut c = Cluster {
-            root_link: format!("{prefix}r"),
-            prefix,
-            pg_dir,
-            pg_bin,
-            dir,
-            namespaces: Vec::new(),
-            procs: Vec::new(),
-        };
-        let fab = c.ns("fab");
-        ip(&["netns", "add", &fab]);
-        c.namespaces.push(fab.clone());
-        in_ns(&fab, &["ip", "link", "add", "br0", "type", "bridge"]);
-        in_ns(&fab, &["ip", "link", "set", "br0", "up"]);
-        // The test's own way in: a veth whose far end is on the bridge. Only the /24's
-        // connected route is added here; nothing routes beyond the fabric.
-        let far = format!("{}rf", c.prefix);
-        ip(&[
-            "link",
-            "add",
-            &c.root_link,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &far,
-        ]);
-        ip(&["link", "set", &far, "netns", &fab]);
-        in_ns(&fab, &["ip", "link", "set", &far, "master", "br0", "up"]);
-        ip(&["addr", "add", &format!("{NET}.254/24"), "dev", &c.root_link]);
-        ip(&["link", "set", &c.root_link, "up"]);
-        c
-    }
-
-    /// Initialises and starts PostgreSQL in host `pg` ({NET}.2), as the `postgres` account,
-    /// with a database `ember` that the fabric may reach without a password.
-    fn start_postgres(&mut self) {
-        self.add_host("pg", 2);
-        std::fs::create_dir_all(&self.pg_dir).unwrap();
-        // The temporary directory is root's (0700): let the postgres account through.
-        run(Command::new("chmod").arg("755").arg(self.dir.path()));
-        run(Command::new("chown")
-            .arg("postgres:postgres")
-            .arg(&self.pg_dir));
-        let data = self.pg_dir.join("data");
-        run(Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(self.pg_bin.join("initdb"))
-            .arg("-D")
-            .arg(&data)
-            .args(["-U", "ember", "--auth=trust", "-E", "UTF8"]));
-        let hba = data.join("pg_hba.conf");
-        let mut text = std::fs::read_to_string(&hba).unwrap();
-        text.push_str(&format!("host all all {NET}.0/24 trust\n"));
-        std::fs::write(&hba, text).unwrap();
-        self.pg_ctl("start");
-        run(Command::new(self.pg_bin.join("psql"))
-            .args(["-h", &format!("{NET}.2"), "-p", &PG_PORT.to_string()])
-            .args([
-                "-U",
-                "ember",
-                "-d",
-                "postgres",
-                "-qc",
-                "CREATE DATABASE ember",
-            ]));
-    }
-
-    /// `pg_ctl start` (in host `pg`, listening on {NET}.2) or `pg_ctl stop` (fast: open
-    /// connections are cut, as when the database goes away).
-    fn pg_ctl(&self, action: &str) {
-        let opts = format!(
-            "-c listen_addresses={NET}.2 -c port={PG_PORT} -c unix_socket_directories={}",
-            self.pg_dir.display()
-        );
-        let mut cmd = Command::new("ip");
-        cmd.args([
-            "netns",
-            "exec",
-            &self.ns("pg"),
-            "runuser",
-            "-u",
-            "postgres",
-            "--",
-        ])
-        .arg(self.pg_bin.join("pg_ctl"))
-        .arg("-D")
-        .arg(self.pg_dir.join("data"));
-        match action {
-            "start" => cmd
-                .args(["-o", &opts, "-l"])
-                .arg(self.pg_dir.join("log"))
-                .args(["-w", "-t", "60", "start"]),
-            _ => cmd.args(["-m", "fast", "-w", "stop"]),
-        };
-        run(&mut cmd);
-    }
-
-    /// Starts moto's S3 server in host `s3` ({NET}.3) and makes the bucket.
-    fn start_s3(&mut self, moto: &Path) {
-        self.add_host("s3", 3);
-        let log = self.dir.path().join("s3.log");
-        let out = std::fs::File::create(&log).unwrap();
-        let child = Command::new("nsenter")
-            .arg(format!("--net=/run/netns/{}", self.ns("s3")))
-            .arg("--")
-            .arg(moto)
-            .args(["-H", &format!("{NET}.3"), "-p", &S3_PORT.to_string()])
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {}: {e}", moto.display()));
-        self.procs.push(Proc {
-            name: "s3".into(),
-            child,
-            log,
-        });
-        let url = format!("http://{NET}.3:{S3_PORT}/ember");
-        let t0 = Instant::now();
-        while ureq::put(&url)
-            .timeout(Duration::from_secs(2))
-            .call()
-            .is_err()
-        {
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "the S3 server did not start:\n{}",
-                self.logs()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-
-    /// `psql -Atc SQL` on the directory.
-    fn sql(&self, q: &str) -> String {
-        run(Command::new(self.pg_bin.join("psql"))
-            .args(["-h", &format!("{NET}.2"), "-p", &PG_PORT.to_string()])
-            .args(["-U", "ember", "-d", "ember", "-Atc", q]))
-        .trim()
-        .to_string()
-    }
-
-    /// Waits (up to 60 s) until `q` (a boolean query) answers true; `what` names it.
-    fn wait_sql(&self, q: &str, what: &str) {
-        let t0 = Instant::now();
-        while self.sql(q) != "t" {
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "{what} (60 s):\n{}",
-                self.logs()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    /// The log of process `name`.
-    fn log_of(&self, name: &str) -> String {
-        std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
-    }
-
-    /// Waits (up to `secs`) for a line of `name`'s log that contains `needle`; returns it.
-    fn wait_log(&self, name: &str, needle: &str, secs: u64) -> String {
-        let t0 = Instant::now();
-        loop {
-            if let Some(l) = self.log_of(name).lines().find(|l| l.contains(needle)) {
-                return l.to_string();
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(secs),
-                "{name} never logged {needle:?} in {secs} s:\n{}",
-                self.logs()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-
-    fn spawn(&mut self, name: &str, host: &str, args: &[String], home: Option<&Path>) {
-        let log = self.dir.path().join(format!("{name}.log"));
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .unwrap();
-        // Into the host's network namespace only: `ip netns exec` would also remount /sys,
-        // hiding the cgroup hierarchies the jailer needs.
-        let mut cmd = Command::new("nsenter");
-        cmd.arg(format!("--net=/run/netns/{}", self.ns(host)))
-            .arg("--")
-            .arg(bin("ember"))
-            .args(args)
-            .env("EMBER_VMM", bin("ember-vmm"))
-            .env("EMBER_JAILER", bin("ember-jailer"))
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out);
-        if let Some(h) = home {
-            cmd.env("EMBER_HOME", h);
-            // Nodes other than n1 have a template cache of their own (n1 uses the test's,
-            // where the templates are built).
-            if !h.ends_with("n1") {
-                cmd.env("EMBER_CACHE", h.join("cache"));
-            }
-        }
-        cmd.env("AWS_ENDPOINT_URL", format!("http://{NET}.3:{S3_PORT}"))
-            .env("AWS_ACCESS_KEY_ID", "ember-test")
-            .env("AWS_SECRET_ACCESS_KEY", "ember-test")
-            .env("AWS_REGION", "us-east-1");
-        let child = cmd.spawn().unwrap_or_else(|e| panic!("start {name}: {e}"));
-        self.procs.push(Proc {
-            name: name.to_string(),
-            child,
-            log,
-        });
-    }
-
-    fn start_node(&mut self, i: u8) {
-        let name = format!("n{i}");
-        if !self.namespaces.contains(&self.ns(&name)) {
-            self.add_host(&name, 10 + i);
-        }
-        let home = self.dir.path().join(&name);
-        std::fs::create_dir_all(&home).unwrap();
-        let args: Vec<String> = vec![
-            "node".into(),
-            "--node-id".into(),
-            name.clone(),
-            "--db".into(),
-            self.db_url(),
-            "--internal-listen".into(),
-            format!("{NET}.{}:{INTERNAL_PORT}", 10 + i),
-            "--node-token-file".into(),
-            self.dir.path().join("node-token").display().to_string(),
-            "--listen".into(),
-            format!("127.0.0.1:{API_PORT}"),
-            "--uid-base".into(),
-            (400_000 + u32::from(i) * 10_000).to_string(),
-            "--net-pool".into(),
-            format!("10.24{i}.0.0/16"),
-            "--max-running".into(),
-            "20".into(),
-            "--blobs".into(),
-            BLOBS.into(),
-        ];
-        let mut args = args;
-        args.extend([
-            "--label".to_string(),
-            format!("zone={}", if i == 3 { "b" } else { "a" }),
-        ]);
-        if i == 1 {
-            for t in ["default", "python-data"] {
-                args.extend(["--publish".to_string(), t.to_string()]);
-            }
-        }
-        self.spawn(&name, &name, &args, Some(&home));
-    }
-
-    fn gateway_args(&self, i: u8) -> Vec<String> {
-        vec![
-            "gateway".into(),
-            "--listen".into(),
-            format!("{NET}.{}:{API_PORT}", 20 + i),
-            "--db".into(),
-            self.db_url(),
-            "--node-token-file".into(),
-            self.dir.path().join("node-token").display().to_string(),
-            "--token-file".into(),
-            self.dir.path().join("gw-token").display().to_string(),
-            "--blobs".into(),
-            BLOBS.into(),
-        ]
-    }
-
-    fn start_gateway(&mut self, i: u8, new_host: bool) {
-        let name = format!("gw{i}");
-        if new_host {
-            self.add_host(&name, 20 + i);
-        }
-        let mut args = self.gateway_args(i);
-        if i == 1 {
-            // Gateway 1 also serves HTTPS for the E2B domain (its certificates in a directory
-            // every gateway of a fleet would share).
-            args.extend([
-                "--domain".to_string(),
-                DOMAIN.to_string(),
-                "--tls-listen".to_string(),
-                format!("{NET}.21:{TLS_PORT}"),
-                "--tls-dir".to_string(),
-                self.dir.path().join("tls").display().to_string(),
-            ]);
-        }
-        self.spawn(&name, &name, &args, None);
-    }
-
-    fn stop(&mut self, name: &str) {
-        if let Some(i) = self.procs.iter().position(|p| p.name == name) {
-            let mut p = self.procs.remove(i);
-            // `nsenter` execs the program: the pid is ember's.
-            // SAFETY: kill has no memory effects; the pid is our child's (not yet reaped).
-            unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
-            let t0 = Instant::now();
-            while p.child.try_wait().ok().flatten().is_none()
-                && t0.elapsed() < Duration::from_secs(15)
-            {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = p.child.kill();
-            let _ = p.child.wait();
-        }
-    }
-
-    /// A host's death: node `i`'s process and every VMM it started (its jails' uids) are
-    /// killed with SIGKILL at once.
-    fn kill_host(&mut self, i: u8) {
-        let name = format!("n{i}");
-        if let Some(k) = self.procs.iter().position(|p| p.name == name) {
-            let mut p = self.procs.remove(k);
-            let _ = p.child.kill();
-            let _ = p.child.wait();
-        }
-        let base = 400_000 + u32::from(i) * 10_000;
-        let ps = run(Command::new("ps").args(["-eo", "pid=,uid="]));
-        for l in ps.lines() {
-            let mut f = l.split_whitespace();
-            let (Some(pid), Some(uid)) = (f.next(), f.next()) else {
-                continue;
-            };
-            let (Ok(pid), Ok(uid)) = (pid.parse::<i32>(), uid.parse::<u32>()) else {
-                continue;
-            };
-            if (base..base + 10_000).contains(&uid) {
-                // SAFETY: kill has no memory effects; the pid is a VMM of this test's node.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-            }
-        }
-    }
-
-    fn logs(&self) -> String {
-        self.procs
-            .iter()
-            .map(|p| format!("--- {} ---\n{}", p.name, p.log_tail(30)))
-            .collect::<Vec<_>>()
-            .join("\n")
-    }
-
-    /// Waits until `url` answers 200 (a process's health endpoint).
-    fn wait_up(&mut self, name: &str, url: &str) {
-        let t0 = Instant::now();
-        loop {
-            if ureq::get(url)
-                .timeout(Duration::from_secs(2))
-                .call()
-                .is_ok()
-            {
-                return;
-            }
-            if let Some(p) = self.procs.iter_mut().find(|p| p.name == name) {
-                if let Ok(Some(st)) = p.child.try_wait() {
-                    panic!("{name} exited ({st}):\n{}", p.log_tail(50));
-                }
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "{name} not up at {url} after 60 s:\n{}",
-                self.logs()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn gw_url(&self, i: u8) -> String {
-        format!("http://{NET}.{}:{API_PORT}", 20 + i)
-    }
-
-    fn token(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("gw-token"))
-            .unwrap()
-            .trim()
-            .to_string()
-    }
-
-    /// `ember ARGS` against gateway `gw`; (success, stdout, stderr).
-    fn ember(&self, gw: u8, args: &[&str]) -> (bool, String, String) {
-        let out = Command::new(bin("ember"))
-            .args(args)
-            .env("EMBER_URL", self.gw_url(gw))
-            .env("EMBER_TOKEN", self.token())
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    }
-
-    fn ember_ok(&self, gw: u8, args: &[&str]) -> String {
-        let (ok, out, err) = self.ember(gw, args);
-        assert!(
-            ok,
-            "ember {args:?} through gateway {gw}: {err}\n{out}\n{}",
-            self.logs()
-        );
-        out
-    }
-
-    fn status(&self) -> Vec<serde_json::Value> {
-        let out = run(Command::new(bin("ember")).args([
-            "cluster",
-            "status",
-            "--db",
-            &self.db_url(),
-            "--json",
-        ]));
-        serde_json::from_str(&out).unwrap_or_else(|e| panic!("cluster status --json: {e}: {out}"))
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        // Sandboxes first (nodes leave their VMs running when they stop, by design).
-        if self.procs.iter().any(|p| p.name.starts_with("gw")) {
-            let gw = if self.procs.iter().any(|p| p.name == "gw1") {
-                1
-            } else {
-                2
-            };
-            let (_, list, _) = self.ember(gw, &["sandbox", "ls"]);
-            for id in list
-                .lines()
-                .skip(1)
-                .filter_map(|l| l.split_whitespace().next())
-            {
-                let _ = self.ember(gw, &["sandbox", "kill", id]);
-            }
-        }
-        let names: Vec<String> = self.procs.iter().map(|p| p.name.clone()).collect();
-        for n in names {
-            self.stop(&n);
-        }
-        if self.pg_dir.join("data/postmaster.pid").exists() {
-            let _ = Command::new("runuser")
-                .args(["-u", "postgres", "--"])
-                .arg(self.pg_bin.join("pg_ctl"))
-                .arg("-D")
-                .arg(self.pg_dir.join("data"))
-                .args(["-m", "immediate", "stop"])
-                .output();
-        }
-        let _ = Command::new("ip")
-            .args(["link", "del", &self.root_link])
-            .output();
-        for ns in self.namespaces.drain(..).rev() {
-            let _ = Command::new("ip").args(["netns", "del", &ns]).output();
-        }
-    }
-}
-
-fn e2b_python() -> Result<PathBuf, String> {
-    let venv = std::env::var_os("EMBER_E2B_VENV")
-        .map(PathBuf::from)
-        .ok_or("EMBER_E2B_VENV is not set (scripts/test.sh sets it)")?;
-    let py = venv.join("bin/python");
-    if py.is_file() {
-        Ok(py)
-    } else {
-        Err(format!("no Python SDK at {}", py.display()))
-    }
-}
 
 #[test]
 fn a_fleet_of_three_nodes_serves_through_either_gateway() {
-    let Some(pg) = pg_bin() else {
-        ember_tests::skip(
-            NAME,
-            "no PostgreSQL under /usr/lib/postgresql (Debian's postgresql)",
-        );
-        return;
-    };
-    if !Path::new("/dev/kvm").exists() {
-        ember_tests::skip(NAME, "no /dev/kvm");
-        return;
-    }
-    template("default");
-    template("python-data");
     let t0 = Instant::now();
-    let mut c = Cluster::new(pg);
-    c.start_postgres();
-    // Both tokens exist before anything starts (no two processes race to create them).
-    for f in ["node-token", "gw-token"] {
-        let path = c.dir.path().join(f);
-        std::fs::write(&path, format!("{:032x}\n", rand_u128())).unwrap();
-        let mode = std::os::unix::fs::PermissionsExt::from_mode(0o600);
-        std::fs::set_permissions(&path, mode).unwrap();
-    }
-    let moto = match std::env::var_os("EMBER_MOTO_SERVER") {
-        Some(m) => PathBuf::from(m),
-        None => {
-            ember_tests::skip(
-                NAME,
-                "EMBER_MOTO_SERVER is not set (scripts/s3-server.sh, run by scripts/test.sh)",
-            );
-            return;
-        }
+    let Some(mut c) = start_fleet(NAME, &[]) else {
+        return;
     };
-    c.start_s3(&moto);
-    // n1 publishes the templates into S3 before the others start.
-    c.start_node(1);
-    let t_pub = Instant::now();
-    for t in ["default", "python-data"] {
-        let line = c.wait_log("n1", &format!("template {t}: published"), 300);
-        eprintln!("{}", line.split("INFO").last().unwrap_or(&line).trim());
-    }
-    eprintln!(
-        "templates published in {:.1} s",
-        t_pub.elapsed().as_secs_f64()
-    );
-    for i in 2..=3 {
-        c.start_node(i);
-    }
-    for i in 1..=3u8 {
-        let url = format!("http://{NET}.{}:{INTERNAL_PORT}/internal/v1/health", 10 + i);
-        c.wait_up(&format!("n{i}"), &url);
-    }
-    for i in 1..=2 {
-        c.start_gateway(i, true);
-    }
-    for i in 1..=2u8 {
-        let url = format!("{}/healthz", c.gw_url(i));
-        c.wait_up(&format!("gw{i}"), &url);
-    }
     eprintln!("cluster up in {:.1} s", t0.elapsed().as_secs_f64());
 
     // Every node registered and heartbeats.
@@ -1045,46 +400,75 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
         );
     }
 
-    // A drain: the node that holds the moved sandbox pauses and uploads everything it runs,
-    // and each sandbox continues on another node, state intact; restarted, it is up again.
+    // A drain by SIGTERM (what an engine sends to stop or upgrade a node): the node that
+    // holds the moved sandbox pauses and uploads everything it runs, each sandbox continues
+    // on another node, state intact, and the node exits. Clients calling all along see calls
+    // that wait and follow, never an error. Restarted, the node is up again.
     let on_it: Vec<(usize, String)> = ids
         .iter()
         .enumerate()
-        .filter(|(_, (id, _))| {
-            c.sql(&format!("SELECT node FROM sandboxes WHERE id = '{id}'")) == to
-        })
+        .filter(|(_, (id, _))| c.node_of(id) == to)
         .map(|(k, (id, _))| (k, id.clone()))
         .collect();
     assert!(!on_it.is_empty());
-    let t_drain = Instant::now();
-    run(Command::new(bin("ember")).args(["cluster", "drain", "--db", &c.db_url(), "--wait", &to]));
-    eprintln!(
-        "drain of {to} ({} sandboxes): {:.1} s",
-        on_it.len(),
-        t_drain.elapsed().as_secs_f64()
-    );
-    for (k, id) in &on_it {
-        let t = Instant::now();
-        let out = c.ember_ok(1, &["code", id, "print(x)"]);
-        assert_eq!(
-            out.trim(),
-            (k * 7).to_string(),
-            "sandbox {id} after the drain"
-        );
-        let now_on = c.sql(&format!("SELECT node FROM sandboxes WHERE id = '{id}'"));
-        assert_ne!(now_on, to, "{id} stayed on the drained node");
-        eprintln!(
-            "  {id}: continued on {now_on}, first call {:.0} ms",
-            t.elapsed().as_secs_f64() * 1e3
-        );
-    }
     let n: u8 = to[1..].parse().unwrap();
-    c.stop(&to);
-    c.start_node(n);
-    c.wait_up(
-        &to,
-        &format!("http://{NET}.{}:{INTERNAL_PORT}/internal/v1/health", 10 + n),
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (exited, seen) = std::thread::scope(|s| {
+        let client = s.spawn(|| {
+            // Each sandbox in turn, until the node is gone and every one was called after.
+            let mut calls: Vec<(String, bool, f64)> = Vec::new();
+            let mut after = 0;
+            while after < 2 {
+                if done.load(std::sync::atomic::Ordering::SeqCst) {
+                    after += 1;
+                }
+                for (k, id) in &on_it {
+                    let t = Instant::now();
+                    let (ok, out, err) = c.ember(1, &["code", id, "print(x)"]);
+                    let right = ok && out.trim() == (k * 7).to_string();
+                    calls.push((
+                        if right {
+                            id.clone()
+                        } else {
+                            format!("{id}: {err}{out}")
+                        },
+                        right,
+                        t.elapsed().as_secs_f64() * 1e3,
+                    ));
+                }
+            }
+            calls
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        c.signal(&to, libc::SIGTERM);
+        let t = Instant::now();
+        while !c.exited(&to) && t.elapsed() < Duration::from_secs(120) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let exited = c.exited(&to).then(|| t.elapsed());
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        (exited, client.join().unwrap())
+    });
+    let exited = exited.unwrap_or_else(|| panic!("{to} did not exit after SIGTERM:\n{}", c.logs()));
+    c.kill_proc(&to);
+    let failed: Vec<&String> = seen.iter().filter(|x| !x.1).map(|x| &x.0).collect();
+    assert!(
+        failed.is_empty(),
+        "calls during the drain failed: {failed:?}"
     );
+    let slowest = seen.iter().map(|x| x.2).fold(0.0, f64::max);
+    eprintln!(
+        "drain of {to} by SIGTERM ({} sandboxes): exited after {:.1} s; {} calls during it, \
+         none failed, the slowest {slowest:.0} ms",
+        on_it.len(),
+        exited.as_secs_f64(),
+        seen.len()
+    );
+    for (_, id) in &on_it {
+        assert_ne!(c.node_of(id), to, "{id} stayed on the drained node");
+    }
+    c.start_node(n);
+    c.wait_node(n);
     assert!(c
         .status()
         .iter()
@@ -1299,72 +683,8 @@ fn a_fleet_of_three_nodes_serves_through_either_gateway() {
     }
     c.ember_ok(1, &["sandbox", "kill", &created]);
 
-    // A host dies (its node and VMMs killed at once): it is declared lost by the database's
-    // clock; its running sandbox is lost with it, with an error that says so (not a hang);
-    // its paused, uploaded sandbox continues on another node; back, it registers again.
-    let on_n3 = |c: &Cluster, code: &str| {
-        let id = c
-            .ember_ok(1, &["sandbox", "create", "--node-label", "zone=b"])
-            .trim()
-            .to_string();
-        c.ember_ok(1, &["code", &id, code]);
-        id
-    };
-    let running = on_n3(&c, "r = 1");
-    let paused = on_n3(&c, "p = 2");
-    c.ember_ok(2, &["sandbox", "pause", &paused]);
-    c.wait_sql(
-        &format!("SELECT blob IS NOT NULL FROM sandboxes WHERE id = '{paused}'"),
-        &format!("the pause of {paused} was not uploaded"),
-    );
-    let epoch = |c: &Cluster| c.sql("SELECT epoch FROM nodes WHERE id = 'n3'");
-    let before = epoch(&c);
-    c.kill_host(3);
-    let t_dead = Instant::now();
-    while c.sql("SELECT status FROM nodes WHERE id = 'n3'") != "lost" {
-        assert!(
-            t_dead.elapsed() < Duration::from_secs(30),
-            "n3 not declared lost:\n{}",
-            c.logs()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    let detect = t_dead.elapsed().as_secs_f64();
-    let t = Instant::now();
-    let (ok, _, err) = c.ember(2, &["code", &running, "print(r)"]);
-    assert!(!ok && err.contains("lost with its node n3"), "{err}");
-    eprintln!(
-        "a dead host: declared lost after {detect:.1} s; a call to its running sandbox \
-         answered in {:.0} ms: {}",
-        t.elapsed().as_secs_f64() * 1e3,
-        err.trim()
-    );
-    let out = c.ember_ok(2, &["code", &paused, "print(p)"]);
-    assert_eq!(out.trim(), "2", "{paused} after its host died");
-    c.start_node(3);
-    c.wait_up(
-        "n3",
-        &format!("http://{NET}.13:{INTERNAL_PORT}/internal/v1/health"),
-    );
-    let t_up = Instant::now();
-    while c.sql("SELECT status FROM nodes WHERE id = 'n3'") != "up" {
-        assert!(
-            t_up.elapsed() < Duration::from_secs(10),
-            "n3 did not come back"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    assert_ne!(epoch(&c), before, "n3 came back with the same epoch");
     eprintln!(
         "cluster scenario done in {:.1} s",
         t0.elapsed().as_secs_f64()
     );
-}
-
-fn rand_u128() -> u128 {
-    let mut b = [0u8; 16];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
-        .expect("/dev/urandom");
-    u128::from_le_bytes(b)
 }

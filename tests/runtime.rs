@@ -430,3 +430,48 @@ fn a_hostile_sandbox_is_contained() {
     assert_eq!(code(&rt, &good, "1 + 1").2.as_deref(), Some("2"));
     rt.kill(&good).unwrap();
 }
+
+/// A fence stops every running VM's vCPUs under the runtime's feet (its records still say
+/// running) and thaws them; keep-alives arm and feed each VMM's watchdog, which stops a VM
+/// whose keep-alives stop and lets it run at the next one, but not one stopped on purpose.
+#[test]
+fn a_fence_freezes_and_thaws_and_keep_alives_feed_the_watchdogs() {
+    let (_home, rt) = runtime();
+    let id = create(&rt, CreateRequest::default());
+    assert_eq!(code(&rt, &id, "w = 3").0, EndStatus::Ok);
+    let watchdog = |rt: &ember_runtime::Runtime| rt.vmm_stats(&id).unwrap()["watchdog"].clone();
+    let paused = |rt: &ember_runtime::Runtime| rt.vmm_stats(&id).unwrap()["paused"] == true;
+    assert_eq!(
+        rt.running_vmms()
+            .into_iter()
+            .map(|(i, _)| i)
+            .collect::<Vec<_>>(),
+        vec![id.clone()]
+    );
+    let mut keep = ember_runtime::KeepAlive::new(Duration::from_millis(800));
+    assert_eq!(keep.beat(&rt), 1);
+    assert_eq!(watchdog(&rt)["armed_ms"], 800);
+    // No keep-alive: the VMM stops its vCPUs.
+    let t0 = std::time::Instant::now();
+    while watchdog(&rt)["paused_by_watchdog"] != true {
+        assert!(t0.elapsed() < Duration::from_secs(5), "{}", watchdog(&rt));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(paused(&rt));
+    assert_eq!(rt.get(&id).unwrap().state, State::Running);
+    // The next keep-alive lets it run again.
+    assert_eq!(keep.beat(&rt), 1);
+    assert!(!paused(&rt));
+    assert_eq!(code(&rt, &id, "w + 1").2.as_deref(), Some("4"));
+    // A fence: stopped on purpose, which a keep-alive does not undo; thawed, it runs.
+    assert_eq!(rt.freeze_vms(), vec![id.clone()]);
+    assert!(paused(&rt));
+    keep.beat(&rt);
+    assert!(paused(&rt), "a keep-alive undid a fence");
+    assert_eq!(watchdog(&rt)["paused_by_watchdog"], false);
+    rt.thaw_vms(std::slice::from_ref(&id));
+    assert!(!paused(&rt));
+    assert_eq!(code(&rt, &id, "w + 2").2.as_deref(), Some("5"));
+    rt.kill(&id).unwrap();
+    assert!(rt.running_vmms().is_empty());
+}

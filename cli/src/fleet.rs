@@ -49,6 +49,22 @@ pub struct NodeArgs {
     /// every named template it has that the store lacks).
     #[arg(long = "publish", value_name = "TEMPLATE", requires = "blobs")]
     pub publish: Vec<String>,
+    /// Arm each VMM's watchdog with this timeout, seconds (0: off): the node feeds it while
+    /// it reaches the directory or a gateway, and a VMM that hears nothing for this long
+    /// (the node process froze) stops its own vCPUs. Keep it under 10 s, the silence after
+    /// which the fleet declares a node lost.
+    #[arg(
+        long,
+        env = "EMBER_VMM_WATCHDOG",
+        value_name = "SECS",
+        default_value_t = 0
+    )]
+    pub vmm_watchdog: u64,
+    /// On SIGTERM, how long the drain may take before the node stops anyway, seconds
+    /// (SIGTERM drains: every sandbox is paused, uploaded and continues on another node;
+    /// SIGINT stops at once and leaves the VMs running for the next start to re-adopt).
+    #[arg(long, value_name = "SECS", default_value_t = 280)]
+    pub drain_timeout: u64,
     /// The node's own server (its runtime's HTTP API, for its operator).
     #[command(flatten)]
     pub serve: ServeArgs,
@@ -191,6 +207,9 @@ pub fn node_main(a: NodeArgs) -> ExitCode {
     let (stop_db, stop_id) = (db.clone(), cfg.id.clone());
     let publish = a.publish.clone();
     let internal = a.internal_listen;
+    let live = Arc::new(ember_fleet::node::Liveness::default());
+    let watchdog = (a.vmm_watchdog > 0).then(|| Duration::from_secs(a.vmm_watchdog));
+    let drain_timeout = Duration::from_secs(a.drain_timeout);
     let start: crate::serve::NodeStart = Box::new(move |tokio, rt| {
         rt.set_hooks(hooks.clone());
         let mover = blobs.clone().map(|b| {
@@ -210,8 +229,16 @@ pub fn node_main(a: NodeArgs) -> ExitCode {
             blobs: blobs.clone(),
             db: db.clone(),
             hooks: hooks.clone(),
+            live: live.clone(),
         };
-        let app = ember_fleet::node::router(Arc::new(handler), token, mover, Some(rt.clone()));
+        let app = ember_fleet::node::router(
+            &cfg.id,
+            Arc::new(handler),
+            token,
+            mover,
+            Some(rt.clone()),
+            live.clone(),
+        );
         // Frames are small and written one by one: no Nagle delay between them.
         let listener = axum::serve::ListenerExt::tap_io(listener, |s| {
             if let Err(e) = s.set_nodelay(true) {
@@ -223,14 +250,18 @@ pub fn node_main(a: NodeArgs) -> ExitCode {
                 tracing::error!("the internal API stopped: {e}");
             }
         });
+        let stop = Arc::new(AtomicBool::new(false));
         let epoch = ember_fleet::node::start_heartbeat(
-            db,
+            db.clone(),
             cfg.clone(),
             rt.clone(),
-            Arc::new(AtomicBool::new(false)),
+            stop.clone(),
             Some(hooks.clone()),
+            live.clone(),
         )
         .map_err(|e| e.to_string())?;
+        ember_fleet::node::start_fence(rt.clone(), live.clone(), watchdog, stop)
+            .map_err(|e| e.to_string())?;
         // Its templates go to the blob store, and pauses a previous run left un-uploaded.
         if let Some(b) = blobs.clone() {
             let (rt, hooks) = (rt.clone(), hooks.clone());
@@ -249,7 +280,31 @@ pub fn node_main(a: NodeArgs) -> ExitCode {
              as {}",
             cfg.id, cfg.advertise
         );
-        Ok(())
+        // SIGTERM (an engine stopping the node, an upgrade) drains first; SIGINT does not.
+        let (node, timeout) = (cfg.id.clone(), drain_timeout);
+        let stop: ember_server::StopSignal = Box::pin(async move {
+            match node_signal().await {
+                NodeSignal::Interrupt => {}
+                NodeSignal::Terminate => {
+                    tracing::info!("SIGTERM: draining before stopping");
+                    let drained = tokio::task::spawn_blocking(move || {
+                        ember_fleet::node::drain(&db, &node, timeout, |n| {
+                            tracing::info!("drain: {n} sandbox(es) still to pause and upload")
+                        })
+                    })
+                    .await;
+                    match drained {
+                        Ok(Ok(t)) => tracing::info!(
+                            "drained in {:.1} s: every sandbox can continue on another node",
+                            t.as_secs_f64()
+                        ),
+                        Ok(Err(e)) => tracing::error!("the drain did not finish: {e}"),
+                        Err(e) => tracing::error!("the drain failed: {e}"),
+                    }
+                }
+            }
+        });
+        Ok(Some(stop))
     });
     let code = crate::serve::run(a.serve, Some(start));
     // Gateways stop sending it calls at once (rather than after the heartbeat's silence).
@@ -257,6 +312,19 @@ pub fn node_main(a: NodeArgs) -> ExitCode {
         tracing::warn!("the directory was not told this node stopped: {e}");
     }
     code
+}
+
+enum NodeSignal {
+    Interrupt,
+    Terminate,
+}
+
+/// Waits for SIGINT or SIGTERM.
+async fn node_signal() -> NodeSignal {
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => NodeSignal::Interrupt,
+        _ = ember_server::terminate_signal() => NodeSignal::Terminate,
+    }
 }
 
 /// Runs `ember gateway`.
@@ -385,41 +453,29 @@ pub fn cluster_main(c: ClusterCmd) -> ExitCode {
                 Ok(db) => db,
                 Err(e) => return fail(e),
             };
-            match db.set_draining(&node) {
-                Ok(true) => eprintln!("ember: node {node} is draining"),
-                Ok(false) => return fail(format!("node {node} is not registered")),
-                Err(e) => return fail(e),
-            }
             if !wait {
-                return ExitCode::SUCCESS;
+                return match db.set_draining(&node) {
+                    Ok(true) => {
+                        eprintln!("ember: node {node} is draining");
+                        ExitCode::SUCCESS
+                    }
+                    Ok(false) => fail(format!("node {node} is not registered")),
+                    Err(e) => fail(e),
+                };
             }
-            let t0 = std::time::Instant::now();
-            let mut last = -1;
-            loop {
-                match db.unmovable(&node) {
-                    Ok(0) => {
-                        eprintln!(
-                            "ember: node {node} drained in {:.1} s: every sandbox can continue on another node",
-                            t0.elapsed().as_secs_f64()
-                        );
-                        return ExitCode::SUCCESS;
-                    }
-                    Ok(n) => {
-                        if n != last {
-                            eprintln!(
-                                "ember: node {node}: {n} sandbox(es) still to pause and upload"
-                            );
-                            last = n;
-                        }
-                    }
-                    Err(e) => eprintln!("ember: {e} (retrying)"),
+            eprintln!("ember: draining node {node}");
+            let r = ember_fleet::node::drain(&db, &node, Duration::from_secs(timeout), |n| {
+                eprintln!("ember: node {node}: {n} sandbox(es) still to pause and upload")
+            });
+            match r {
+                Ok(took) => {
+                    eprintln!(
+                        "ember: node {node} drained in {:.1} s: every sandbox can continue on another node",
+                        took.as_secs_f64()
+                    );
+                    ExitCode::SUCCESS
                 }
-                if t0.elapsed() > Duration::from_secs(timeout) {
-                    return fail(format!(
-                        "node {node}: not drained after {timeout} s ({last} sandbox(es) left)"
-                    ));
-                }
-                std::thread::sleep(Duration::from_millis(250));
+                Err(e) => fail(e),
             }
         }
         ClusterCmd::Quota {

@@ -180,8 +180,14 @@ pub fn main(a: ServeArgs) -> ExitCode {
 }
 
 /// What `ember node` starts beside the server, once the runtime is open: its internal API
-/// and its heartbeat (`Err`: why the node cannot start).
-pub type NodeStart = Box<dyn FnOnce(&tokio::runtime::Runtime, &Runtime) -> Result<(), String>>;
+/// and its heartbeat (`Err`: why the node cannot start); `Some`: what stops the server instead
+/// of SIGINT/SIGTERM.
+pub type NodeStart = Box<
+    dyn FnOnce(
+        &tokio::runtime::Runtime,
+        &Runtime,
+    ) -> Result<Option<ember_server::StopSignal>, String>,
+>;
 
 /// Runs the server over this host's runtime (`ember serve`; `ember node` with `node`).
 pub fn run(a: ServeArgs, node: Option<NodeStart>) -> ExitCode {
@@ -293,9 +299,11 @@ pub fn run(a: ServeArgs, node: Option<NodeStart>) -> ExitCode {
             ))
         }
     };
+    let mut stop = None;
     if let Some(start) = node {
-        if let Err(e) = start(&tokio, &rt) {
-            return fail(e);
+        match start(&tokio, &rt) {
+            Ok(s) => stop = s,
+            Err(e) => return fail(e),
         }
     }
     let addr = server.local_addr();
@@ -308,7 +316,10 @@ pub fn run(a: ServeArgs, node: Option<NodeStart>) -> ExitCode {
         "ember: try `EMBER_URL=http://{addr} ember sandbox create`; Ctrl-C stops the server \
          and leaves the sandboxes running"
     );
-    let result = tokio.block_on(server.run(Arc::new(rt)));
+    let result = match stop {
+        Some(stop) => tokio.block_on(server.run_until(Arc::new(rt), stop)),
+        None => tokio.block_on(server.run(Arc::new(rt))),
+    };
     // Blocking calls still running (a guest that does not answer) must not keep the
     // process alive: their sandboxes are re-attached at the next start.
     tokio.shutdown_timeout(Duration::from_secs(5));

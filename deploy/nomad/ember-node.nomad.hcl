@@ -63,7 +63,8 @@ job "ember-node" {
             --internal-listen "$NOMAD_ADDR_internal" \
             --advertise "$NOMAD_ADDR_internal" \
             --node-token-file "$NOMAD_SECRETS_DIR/node-token" \
-            --listen 127.0.0.1:7071 &
+            --listen 127.0.0.1:7071 \
+            --vmm-watchdog 5 &
           node=$!
           draining=
           trap 'draining=1; /usr/local/bin/ember cluster drain --db "$EMBER_DB" --wait "$EMBER_NODE_ID"; kill -TERM "$node"' TERM INT

@@ -19,6 +19,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long a node may stay silent (no frame, not even a keepalive) before the call is
 /// given up as lost with its node.
 const SILENCE: Duration = Duration::from_secs(15);
+/// How long a probe of a node may take, all told.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// A node's internal API.
 #[derive(Debug, Clone)]
@@ -28,6 +30,7 @@ pub struct NodeClient {
     url: String,
     token: String,
     agent: ureq::Agent,
+    probe: ureq::Agent,
 }
 
 impl NodeClient {
@@ -42,6 +45,7 @@ impl NodeClient {
             url: format!("http://{addr}/internal/v1/call"),
             token: token.to_string(),
             agent,
+            probe: ureq::AgentBuilder::new().timeout(PROBE_TIMEOUT).build(),
         }
     }
 
@@ -67,6 +71,19 @@ impl NodeClient {
             ))),
             Err(e) => Err(self.lost(e)),
         }
+    }
+
+    /// The gateways' probe of the node (`GET /internal/v1/ping`): answered within
+    /// [`PROBE_TIMEOUT`] or failed.
+    pub fn ping(&self) -> Result<crate::node::Ping, RuntimeError> {
+        let url = self.url.replace("/internal/v1/call", "/internal/v1/ping");
+        self.probe
+            .get(&url)
+            .set("authorization", &format!("Bearer {}", self.token))
+            .call()
+            .map_err(|e| self.lost(e))?
+            .into_json()
+            .map_err(|e| self.lost(format!("its answer to a probe: {e}")))
     }
 
     fn lost(&self, what: impl std::fmt::Display) -> RuntimeError {
@@ -101,11 +118,18 @@ impl Handler for NodeClient {
             Ok(r) => r,
             Err(ureq::Error::Status(code, r)) => {
                 let text = r.into_string().unwrap_or_default();
-                return Err(RuntimeError::Internal(format!(
+                let msg = format!(
                     "node {} refused the call ({code}): {}",
                     self.node,
                     text.trim()
-                )));
+                );
+                // 503: the node is fenced (it will take calls again, or its sandboxes go
+                // elsewhere): the caller may follow the sandbox.
+                return Err(if code == 503 {
+                    RuntimeError::Unavailable(msg)
+                } else {
+                    RuntimeError::Internal(msg)
+                });
             }
             Err(e) => return Err(self.lost(e)),
         };
@@ -247,7 +271,8 @@ mod tests {
             rt.block_on(async move {
                 let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 tx.send(l.local_addr().unwrap().to_string()).unwrap();
-                let app = crate::node::router(fake, "tok".into(), None, None);
+                let app =
+                    crate::node::router("fake", fake, "tok".into(), None, None, Default::default());
                 axum::serve(l, app).await.unwrap();
             });
         });

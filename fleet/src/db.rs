@@ -168,6 +168,9 @@ pub struct Heartbeat {
     /// Sandboxes the node listed that the directory gives to another node: they moved while
     /// the node was away, and the node must drop its copies.
     pub elsewhere: Vec<String>,
+    /// Sandboxes the node listed that the directory has no record of at all (a create a
+    /// dead gateway never recorded, or one made past the fleet): the node kills them.
+    pub unknown: Vec<String>,
 }
 
 /// A sandbox as the directory knows it.
@@ -310,6 +313,17 @@ impl Db {
                 .iter()
                 .map(|r| r.get(0))
                 .collect();
+            // Not in the directory at all (their creates were never recorded).
+            let unknown = tx
+                .query(
+                    "SELECT x FROM unnest($1::text[]) AS x
+                     WHERE NOT EXISTS (SELECT 1 FROM sandboxes s WHERE s.id = x)",
+                    &[&live],
+                )
+                .map_err(db_err("heartbeat: unknown sandboxes"))?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
             tx.commit().map_err(db_err("heartbeat: commit"))?;
             Ok(Heartbeat {
                 // A node declared lost registers again (a new epoch) once it has dropped what
@@ -317,6 +331,7 @@ impl Db {
                 known: status.as_deref().is_some_and(|s| s != "lost"),
                 draining: status.as_deref() == Some("draining"),
                 elsewhere,
+                unknown,
             })
         })
     }
@@ -445,7 +460,8 @@ impl Db {
 
     /// One sweep of the fleet (any gateway may run it; an advisory lock makes sweeps one at
     /// a time): with `declare`, nodes silent for `lost_after` seconds, by the database's
-    /// clock, are declared lost (their epoch bumped); what they ran, and what they paused without an upload, is
+    /// clock, and not in `spare` (those the sweeping gateway's own probe reached), are
+    /// declared lost (their epoch bumped); what they ran, and what they paused without an upload, is
     /// marked ended and lost (their paused, uploaded sandboxes stay: another node may take
     /// them); reservations older than `stale_after` seconds (a gateway that died mid-create)
     /// are removed. Returns the nodes declared lost and how many sandboxes went with them.
@@ -454,6 +470,7 @@ impl Db {
         lost_after: f64,
         stale_after: f64,
         declare: bool,
+        spare: &[String],
     ) -> Result<(Vec<String>, u64), FleetError> {
         self.with(|c| {
             let mut tx = c.transaction().map_err(db_err("sweep"))?;
@@ -469,8 +486,9 @@ impl Db {
                     "UPDATE nodes SET status = 'lost', epoch = epoch + 1
                      WHERE status IN ('up', 'draining')
                        AND heartbeat_at < now() - make_interval(secs => $1)
+                       AND NOT (id = ANY($2))
                      RETURNING id",
-                    &[&lost_after],
+                    &[&lost_after, &spare],
                 )
                 .map_err(db_err("sweep: nodes"))?
                 .iter()
@@ -953,6 +971,15 @@ fn connect(url: &str) -> Result<Client, postgres::Error> {
     if cfg.get_connect_timeout().is_none() {
         cfg.connect_timeout(CONNECT_TIMEOUT);
     }
+    // A connection whose peer went silent (a partition, a dead host) fails in seconds, not
+    // after TCP's minutes: unacknowledged data for 4 s, or 2 s idle and 2 unanswered probes.
+    if cfg.get_tcp_user_timeout().is_none() {
+        cfg.tcp_user_timeout(std::time::Duration::from_secs(4));
+    }
+    cfg.keepalives(true)
+        .keepalives_idle(std::time::Duration::from_secs(2))
+        .keepalives_interval(std::time::Duration::from_secs(1))
+        .keepalives_retries(2);
     cfg.connect(NoTls)
 }
 

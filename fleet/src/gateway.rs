@@ -6,9 +6,13 @@
 //!   a cache, else from the directory. A node that answers "no such sandbox" for a cached
 //!   route has the route re-read once (it may have moved), never served by another VM.
 //! - `create` is placed: nodes whose heartbeat is fresh ([`LIVE_WITHIN`]), with room, the
-//!   fewest running first (ties: those that hold the template); a node that refuses or cannot
-//!   be reached is skipped for the next. A create from a named snapshot goes to the node that
-//!   holds it. `fork` children stay on their parent's node.
+//!   fewest running first (ties: those that hold the template), those the gateway's own
+//!   probe last failed to reach after the others; a node that refuses or cannot be reached
+//!   is skipped for the next. A create from a named snapshot goes to the node that holds it.
+//!   `fork` children are spread over the nodes.
+//! - Every gateway probes every node each second ([`Fleet::start_sweeper`]): a node that
+//!   answers is not declared lost however late its heartbeat, and each probe tells the node
+//!   it is reached (a node reached by neither fences itself, `crate::node`).
 //! - Lists (sandboxes, templates, snapshots) are asked of every live node and merged.
 //!
 //! The gateway keeps nothing that a restart would lose: routes are in the directory.
@@ -48,7 +52,35 @@ pub struct Fleet {
     nodes: Mutex<Option<(std::time::Instant, Vec<NodeStatus>)>>,
     /// The blob store (artifacts of sandboxes whose node is gone).
     blobs: Option<Arc<crate::blobs::Blobs>>,
+    /// The probe's findings per node: when it last answered, when it last failed to.
+    probes: Mutex<HashMap<String, Probe>>,
 }
+
+/// What the gateway's probe last found of a node.
+#[derive(Debug, Clone, Copy, Default)]
+struct Probe {
+    ok: Option<std::time::Instant>,
+    failed: Option<std::time::Instant>,
+}
+
+impl Probe {
+    /// The last probe failed.
+    fn failing(&self) -> bool {
+        match (self.ok, self.failed) {
+            (_, None) => false,
+            (None, Some(_)) => true,
+            (Some(ok), Some(failed)) => failed > ok,
+        }
+    }
+}
+
+/// How often a gateway probes each node.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// A node the probe reached this recently is not declared lost.
+const PROBED_WITHIN: Duration = Duration::from_secs(3);
+/// How long a call waits for a sandbox that moves (a draining or fenced node's) before it
+/// gives up.
+const FOLLOW_FOR: Duration = Duration::from_secs(30);
 
 /// What placement counts a node's lack of the template as: this many sandboxes of load.
 const PULL_COST: i64 = 2;
@@ -75,6 +107,7 @@ impl Fleet {
             clients: Mutex::new(HashMap::new()),
             nodes: Mutex::new(None),
             blobs: None,
+            probes: Mutex::new(HashMap::new()),
         }
     }
 
@@ -82,6 +115,7 @@ impl Fleet {
     /// lets one sweep at a time): nodes silent for [`LOST_AFTER`] are declared lost with what
     /// they ran, and reservations of creates a dead gateway left are removed.
     pub fn start_sweeper(self: &Arc<Self>) -> Result<(), crate::FleetError> {
+        self.start_probe()?;
         let weak = Arc::downgrade(self);
         std::thread::Builder::new()
             .name("ember-sweep".into())
@@ -95,10 +129,16 @@ impl Fleet {
                     let Some(fleet) = weak.upgrade() else { return };
                     let declare =
                         reachable_since.is_some_and(|t| t.elapsed() >= LOST_AFTER + SWEEP_EVERY);
+                    let spare: Vec<String> = lock(&fleet.probes)
+                        .iter()
+                        .filter(|(_, p)| p.ok.is_some_and(|t| t.elapsed() < PROBED_WITHIN))
+                        .map(|(n, _)| n.clone())
+                        .collect();
                     let swept = fleet.db.sweep(
                         LOST_AFTER.as_secs_f64(),
                         STALE_RESERVATION.as_secs_f64(),
                         declare,
+                        &spare,
                     );
                     reachable_since = match (&swept, reachable_since) {
                         (Ok(_), None) => Some(std::time::Instant::now()),
@@ -124,6 +164,51 @@ impl Fleet {
             })
             .map(drop)
             .map_err(|e| crate::FleetError::Io(format!("cannot start the sweeper: {e}")))
+    }
+
+    /// Starts the probe (a thread): every [`PROBE_EVERY`], each node that has not stopped
+    /// is asked `GET /internal/v1/ping`, all at once, each within
+    /// [`crate::client::PROBE_TIMEOUT`].
+    fn start_probe(self: &Arc<Self>) -> Result<(), crate::FleetError> {
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("ember-probe".into())
+            .spawn(move || loop {
+                std::thread::sleep(PROBE_EVERY);
+                let Some(fleet) = weak.upgrade() else { return };
+                let Ok(nodes) = fleet.nodes_cached() else {
+                    continue;
+                };
+                let clients: Vec<Arc<NodeClient>> = nodes
+                    .iter()
+                    .filter(|n| n.status != "stopped")
+                    .map(|n| fleet.client(n))
+                    .collect();
+                let found: Vec<(String, bool)> = std::thread::scope(|s| {
+                    let probes: Vec<_> = clients
+                        .iter()
+                        .map(|c| s.spawn(move || (c.node.clone(), c.ping().is_ok())))
+                        .collect();
+                    probes.into_iter().filter_map(|p| p.join().ok()).collect()
+                });
+                let now = std::time::Instant::now();
+                let mut probes = lock(&fleet.probes);
+                for (node, ok) in found {
+                    let p = probes.entry(node).or_default();
+                    if ok {
+                        p.ok = Some(now);
+                    } else {
+                        p.failed = Some(now);
+                    }
+                }
+            })
+            .map(drop)
+            .map_err(|e| crate::FleetError::Io(format!("cannot start the probe: {e}")))
+    }
+
+    /// Whether the probe's last try of node `id` failed.
+    fn probe_failing(&self, id: &str) -> bool {
+        lock(&self.probes).get(id).is_some_and(Probe::failing)
     }
 
     /// Reads from the blob store what outlives a node (artifacts).
@@ -341,22 +426,32 @@ impl Fleet {
             }
             _ => {}
         }
-        let Some(blob) = s.blob.clone().filter(|_| s.state == "paused") else {
-            // A draining node still serves what has not moved yet.
-            let draining = self.nodes_cached().is_ok_and(|n| {
-                n.iter()
-                    .any(|n| n.node.id == from && n.status == "draining")
-            });
-            if draining {
-                return Ok(from.to_string());
+        let blob = match s.blob.clone().filter(|_| s.state == "paused") {
+            Some(b) => b,
+            None => {
+                let draining = self.nodes_cached().is_ok_and(|n| {
+                    n.iter()
+                        .any(|n| n.node.id == from && n.status == "draining")
+                });
+                // Paused by a drain, its upload under way: the call waits for it and
+                // follows the sandbox; a draining node still serves what it runs.
+                let uploaded = (draining && s.state == "paused")
+                    .then(|| self.await_upload(id))
+                    .flatten();
+                match uploaded {
+                    Some(b) => b,
+                    None if draining => return Ok(from.to_string()),
+                    None => {
+                        return Err(RuntimeError::Unreachable(if s.state == "paused" {
+                            format!(
+                                "sandbox {id} is paused on node {from}, which is down, and its snapshot was not uploaded yet: it can resume only there"
+                            )
+                        } else {
+                            format!("sandbox {id} runs on node {from}, which is down")
+                        }))
+                    }
+                }
             }
-            return Err(RuntimeError::Unreachable(if s.state == "paused" {
-                format!(
-                    "sandbox {id} is paused on node {from}, which is down, and its snapshot was not uploaded yet: it can resume only there"
-                )
-            } else {
-                format!("sandbox {id} runs on node {from}, which is down")
-            }));
         };
         let req = crate::node::AdoptRequest {
             id: id.to_string(),
@@ -427,6 +522,9 @@ impl Fleet {
                 }
                 self.client_of(&fresh)?.handle(req, io)
             }
+            // The node drains (the sandbox is on its way elsewhere) or is fenced: the call
+            // waits and follows the sandbox.
+            (Err(e @ RuntimeError::Unavailable(_)), Some(req)) => self.follow(id, req, io, e),
             // The node is gone (it stopped since the liveness was read): read it again, and
             // a call that may be sent twice follows the sandbox wherever it can go on.
             (Err(e @ RuntimeError::Unreachable(_)), again) => {
@@ -458,6 +556,33 @@ impl Fleet {
             _ => {}
         }
         r
+    }
+
+    /// Sandbox `id`'s node answered "unavailable" (it drains and the sandbox moves off it,
+    /// or it is fenced): the call follows the sandbox wherever the directory says it goes,
+    /// for up to [`FOLLOW_FOR`].
+    fn follow(
+        &self,
+        id: &str,
+        req: Request,
+        mut io: Io<'_>,
+        first: RuntimeError,
+    ) -> Result<Reply, RuntimeError> {
+        let t0 = std::time::Instant::now();
+        let mut last = first;
+        while t0.elapsed() < FOLLOW_FOR {
+            std::thread::sleep(Duration::from_millis(200));
+            *lock(&self.nodes) = None;
+            let mut node = self.route(id, true)?;
+            if !self.node_up(&node) {
+                node = self.relocate(id, &node)?;
+            }
+            match self.client_of(&node)?.handle(req.clone(), io.reborrow()) {
+                Err(e @ RuntimeError::Unavailable(_)) => last = e,
+                r => return r,
+            }
+        }
+        Err(last)
     }
 
     /// A named snapshot: its name is reserved fleet-wide first (names are the fleet's, not a
@@ -613,6 +738,7 @@ impl Fleet {
         };
         nodes.sort_by_key(|n| {
             (
+                self.probe_failing(&n.node.id),
                 i64::from(n.node.running) + n.placed_recently + if warm(n) { 0 } else { PULL_COST },
                 n.node.id.clone(),
             )
@@ -981,5 +1107,38 @@ impl Fleet {
                 String::from_utf8_lossy(&body)
             ))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn a_probe_is_failing_only_when_its_last_try_failed() {
+        let t = Instant::now();
+        let later = t + Duration::from_millis(10);
+        assert!(!Probe::default().failing());
+        let ok = Probe {
+            ok: Some(t),
+            failed: None,
+        };
+        assert!(!ok.failing());
+        let never = Probe {
+            ok: None,
+            failed: Some(t),
+        };
+        assert!(never.failing());
+        let went = Probe {
+            ok: Some(t),
+            failed: Some(later),
+        };
+        assert!(went.failing());
+        let back = Probe {
+            ok: Some(later),
+            failed: Some(t),
+        };
+        assert!(!back.failing());
     }
 }

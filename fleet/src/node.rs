@@ -4,12 +4,23 @@
 //! The internal API listens on its own address, apart from the node's own HTTP API, and
 //! takes only the node token (`Authorization: Bearer <node token>`, compared in constant
 //! time): it is never open. `POST /internal/v1/call` carries one call in the framing of
-//! [`crate::wire`]; `GET /internal/v1/health` answers 200 while the runtime is up.
+//! [`crate::wire`]; `GET /internal/v1/ping` is the gateways' probe; `GET /internal/v1/health`
+//! answers 200 while the runtime is up and the node takes work (503 while it drains or is
+//! fenced: an engine's readiness check), `GET /internal/v1/live` 200 while it serves at all
+//! (its liveness check).
+//!
+//! Fencing ([`Liveness`], [`start_fence`]): a node that has reached neither the directory
+//! nor any gateway for [`FENCE_AFTER`] may be declared lost by the others (who then continue
+//! its sandboxes elsewhere or call them lost): it stops the vCPUs of every VM it runs and
+//! refuses calls until the directory answers again, and by then has killed what the
+//! directory gave away. A node process that freezes cannot do that: its VMMs' watchdogs
+//! (`--vmm-watchdog`) stop their own vCPUs when its keep-alives stop.
 
+use std::collections::HashMap;
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -34,6 +45,92 @@ use crate::FleetError;
 /// How often a node heartbeats.
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
 
+/// How long a node may reach neither the directory nor any gateway before it fences
+/// itself (well inside [`crate::gateway::LOST_AFTER`], after which the others may declare it
+/// lost).
+pub const FENCE_AFTER: Duration = Duration::from_secs(5);
+
+/// How long a sandbox on this node may stay unknown to the directory before it is killed
+/// (a create whose gateway died before recording it; a VM nobody will ever call). A node
+/// that starts kills those at once.
+pub const UNKNOWN_GRACE: Duration = Duration::from_secs(20);
+
+/// What the node knows of its own standing: when it last reached the directory and when a
+/// gateway last reached it, whether it is fenced, whether it drains.
+#[derive(Debug)]
+pub struct Liveness {
+    t0: Instant,
+    db_ms: AtomicU64,
+    gateway_ms: AtomicU64,
+    fenced_at_ms: AtomicU64,
+    fenced: AtomicBool,
+    draining: AtomicBool,
+}
+
+impl Default for Liveness {
+    fn default() -> Self {
+        Liveness {
+            t0: Instant::now(),
+            db_ms: AtomicU64::new(0),
+            gateway_ms: AtomicU64::new(0),
+            fenced_at_ms: AtomicU64::new(0),
+            fenced: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Liveness {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.t0.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The directory answered a heartbeat (and what it said was acted on).
+    pub fn db_reached(&self) {
+        self.db_ms.store(self.now_ms(), Ordering::SeqCst);
+    }
+
+    /// A gateway reached the internal API with the node token.
+    pub fn gateway_reached(&self) {
+        self.gateway_ms.store(self.now_ms(), Ordering::SeqCst);
+    }
+
+    /// How long since the node last reached the directory or a gateway reached it.
+    pub fn silent_for(&self) -> Duration {
+        let last = self
+            .db_ms
+            .load(Ordering::SeqCst)
+            .max(self.gateway_ms.load(Ordering::SeqCst));
+        Duration::from_millis(self.now_ms().saturating_sub(last))
+    }
+
+    /// Whether the node is fenced (its VMs stopped, calls refused).
+    pub fn fenced(&self) -> bool {
+        self.fenced.load(Ordering::SeqCst)
+    }
+
+    /// Whether the node drains (the directory says so).
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    fn set_draining(&self, on: bool) {
+        self.draining.store(on, Ordering::SeqCst);
+    }
+}
+
+/// What the gateways' probe answers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Ping {
+    /// The node's id.
+    pub node: String,
+    /// Fenced (it had lost the directory and every gateway; calls are refused until the
+    /// directory answers).
+    pub fenced: bool,
+    /// Draining.
+    pub draining: bool,
+}
+
 /// What the internal API serves with.
 #[derive(Clone)]
 struct NodeState {
@@ -41,34 +138,43 @@ struct NodeState {
     token: Arc<String>,
     mover: Option<Arc<Mover>>,
     ports: Option<Runtime>,
+    live: Arc<Liveness>,
+    node: Arc<String>,
 }
 
 /// The internal API's router over `handler` (the node's runtime), guarded by `token`;
 /// `mover`: what takes in sandboxes that move here (`POST /internal/v1/adopt`), when the
 /// node has a blob store; `ports`: the runtime whose guests' ports the data-plane tunnel
-/// reaches (`GET /internal/v1/tunnel/{id}/{port}`, an HTTP upgrade).
+/// reaches (`GET /internal/v1/tunnel/{id}/{port}`, an HTTP upgrade); `live`: the node's
+/// standing (each authorized request is a gateway reaching it; a fenced node refuses calls).
 pub fn router(
+    node: &str,
     handler: Arc<dyn Handler>,
     token: String,
     mover: Option<Arc<Mover>>,
     ports: Option<Runtime>,
+    live: Arc<Liveness>,
 ) -> Router {
     let st = NodeState {
         handler,
         token: Arc::new(token),
         mover,
         ports,
+        live,
+        node: Arc::new(node.to_string()),
     };
     Router::new()
         .route("/internal/v1/call", post(call))
         .route("/internal/v1/adopt", post(adopt))
         .route("/internal/v1/tunnel/{id}/{port}", get(tunnel))
+        .route("/internal/v1/ping", get(ping))
         // Every route above takes the node token; the health check below does not.
         .route_layer(axum::middleware::from_fn_with_state(
             st.clone(),
             require_token,
         ))
-        .route("/internal/v1/health", get(|| async { StatusCode::OK }))
+        .route("/internal/v1/health", get(health))
+        .route("/internal/v1/live", get(|| async { StatusCode::OK }))
         .with_state(st)
 }
 
@@ -83,7 +189,42 @@ async fn require_token(
             "the internal API wants the node token (Authorization: Bearer …)",
         );
     }
+    st.live.gateway_reached();
+    if st.live.fenced() && req.uri().path() != "/internal/v1/ping" {
+        return refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "node {} is fenced: it reached neither the directory nor any gateway for {} s \
+                 and stopped its VMs until the directory answers again",
+                st.node,
+                FENCE_AFTER.as_secs()
+            ),
+        );
+    }
     next.run(req).await
+}
+
+/// `GET /internal/v1/ping`: the gateways' probe (a gateway that gets an answer does not
+/// declare the node lost; the node counts it as a gateway reaching it).
+async fn ping(State(st): State<NodeState>) -> Response {
+    axum::Json(Ping {
+        node: st.node.to_string(),
+        fenced: st.live.fenced(),
+        draining: st.live.draining(),
+    })
+    .into_response()
+}
+
+/// `GET /internal/v1/health`: 200 while the node takes work; 503 while it drains or is
+/// fenced (an engine's readiness check; its liveness is the process).
+async fn health(State(st): State<NodeState>) -> Response {
+    if st.live.fenced() {
+        refuse(StatusCode::SERVICE_UNAVAILABLE, "fenced")
+    } else if st.live.draining() {
+        refuse(StatusCode::SERVICE_UNAVAILABLE, "draining")
+    } else {
+        StatusCode::OK.into_response()
+    }
 }
 
 /// The upgrade token of the data-plane tunnel.
@@ -302,9 +443,43 @@ pub struct NodeRuntime {
     pub db: Arc<Db>,
     /// The node's hooks (its upload queue).
     pub hooks: Arc<NodeHooks>,
+    /// Its standing (a draining node takes no creates and lets no paused sandbox resume).
+    pub live: Arc<Liveness>,
 }
 
 impl NodeRuntime {
+    /// A draining node's refusal of `req`, if it refuses it: creates go elsewhere, and a
+    /// sandbox paused here is on its way to another node (its caller waits for the upload
+    /// and follows it there) rather than resumed here to be paused again.
+    fn drain_refusal(&self, req: &Call) -> Option<ember_runtime::RuntimeError> {
+        if !self.live.draining() {
+            return None;
+        }
+        if let Call::Create(_) = req {
+            return Some(ember_runtime::RuntimeError::Unavailable(
+                "this node drains: it takes no creates".into(),
+            ));
+        }
+        // What does not resume it is answered here.
+        if matches!(
+            req,
+            Call::Get(_) | Call::Kill(_) | Call::Pause(_) | Call::History(_) | Call::GetUsage(_)
+        ) {
+            return None;
+        }
+        let id = req.sandbox()?;
+        let state = self.rt.get(id).ok()?.state;
+        matches!(
+            state,
+            ember_runtime::State::Paused | ember_runtime::State::Pausing
+        )
+        .then(|| {
+            ember_runtime::RuntimeError::Unavailable(format!(
+                "sandbox {id} moves off this draining node: retry (a gateway follows it)"
+            ))
+        })
+    }
+
     /// Pulls named snapshot `name` when this node lacks it and the directory has its upload.
     fn pull_snapshot(&self, blobs: &Blobs, name: &str) -> Result<(), ember_runtime::RuntimeError> {
         if self.rt.export_snapshot(name).is_ok() {
@@ -337,6 +512,9 @@ impl Handler for NodeRuntime {
         req: Call,
         io: Io<'_>,
     ) -> Result<ember_runtime::call::Reply, ember_runtime::RuntimeError> {
+        if let Some(e) = self.drain_refusal(&req) {
+            return Err(e);
+        }
         if let Call::TakeSnapshot(_) = &req {
             let r = self.rt.handle(req, io);
             if let Ok(ember_runtime::call::Reply::TakeSnapshot(info)) = &r {
@@ -643,17 +821,60 @@ fn drain_step(rt: &Runtime) {
     }
 }
 
+/// Drains node `node`: marks it draining in the directory (its heartbeat then pauses what
+/// it runs, each pause is uploaded, and gateways continue each sandbox on another node at
+/// its next call) and waits, up to `timeout`, until every sandbox of it can continue
+/// elsewhere; `progress` hears how many are left each time that changes. Answers how long
+/// it took.
+pub fn drain(
+    db: &Db,
+    node: &str,
+    timeout: Duration,
+    mut progress: impl FnMut(i64),
+) -> Result<Duration, FleetError> {
+    if !db.set_draining(node)? {
+        return Err(FleetError::Missing(format!(
+            "node {node} is not registered"
+        )));
+    }
+    let t0 = Instant::now();
+    let mut last = -1;
+    loop {
+        match db.unmovable(node) {
+            Ok(0) => return Ok(t0.elapsed()),
+            Ok(n) if n != last => {
+                progress(n);
+                last = n;
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!("drain: {e} (retrying)"),
+        }
+        if t0.elapsed() > timeout {
+            return Err(FleetError::Io(format!(
+                "node {node}: not drained after {} s ({last} sandbox(es) left)",
+                timeout.as_secs()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
 /// Registers the node and heartbeats every [`HEARTBEAT`] on a thread of its own until
 /// `stop` is set. A heartbeat that fails (the database is away) is retried at the next tick;
-/// a node the directory forgot registers again.
+/// a node the directory forgot, or declared lost, drops what the directory gave away and
+/// registers again (a new epoch). What the directory does not know at all is killed: at
+/// once at the first beat (a node that starts again), after [`UNKNOWN_GRACE`] later (a
+/// create whose gateway died before recording it).
 pub fn start_heartbeat(
     db: Arc<Db>,
     cfg: NodeConfig,
     rt: Runtime,
     stop: Arc<AtomicBool>,
     hooks: Option<Arc<NodeHooks>>,
+    live: Arc<Liveness>,
 ) -> Result<i64, FleetError> {
     let epoch = db.register(&record(&cfg, &rt))?;
+    live.db_reached();
     // The audit log is shipped to the directory each beat, from where the last beat left it.
     let mut shipped = db.last_audit_seq(&cfg.id)?;
     let mut shipped_changes = db.last_transition_seq(&cfg.id)?;
@@ -661,6 +882,8 @@ pub fn start_heartbeat(
         .name("ember-heartbeat".into())
         .spawn(move || {
             let mut failing = false;
+            let mut first = true;
+            let mut unknown_since: HashMap<String, Instant> = HashMap::new();
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(HEARTBEAT);
                 let filter = ember_runtime::AuditFilter {
@@ -685,40 +908,64 @@ pub fn start_heartbeat(
                     }
                 }
                 // Only with a complete list may the directory mark the others ended.
-                let r = match live(&rt) {
-                    Ok(l) => {
-                        let ids: Vec<String> = l.into_iter().map(|s| s.id).collect();
+                let r = match live_ids(&rt) {
+                    Ok(ids) => {
                         let running = running(&rt);
                         db.heartbeat(&cfg.id, running, committed_mib(&rt), &templates(), &ids)
                     }
                     Err(e) => Err(FleetError::Io(format!("listing the sandboxes: {e}"))),
                 }
                 .and_then(|hb| {
-                    // Sandboxes that continued on another node while this one was away.
-                    for id in &hb.elsewhere {
-                        let importing = hooks.as_ref().is_some_and(|h| {
+                    let importing = |id: &String| {
+                        hooks.as_ref().is_some_and(|h| {
                             h.importing
                                 .lock()
                                 .unwrap_or_else(|p| p.into_inner())
                                 .contains(id)
-                        });
-                        if !importing {
-                            rt.forget(id, "the directory gives it to another node");
+                        })
+                    };
+                    // Sandboxes that continued on another node while this one was away, or
+                    // were declared lost with it: a sandbox never answers from two VMs.
+                    for id in hb.elsewhere.iter().filter(|id| !importing(id)) {
+                        rt.forget(id, "the directory gives it to another node");
+                    }
+                    let now = Instant::now();
+                    unknown_since.retain(|id, _| hb.unknown.contains(id));
+                    for id in hb.unknown.iter().filter(|id| !importing(id)) {
+                        let since = *unknown_since.entry(id.clone()).or_insert(now);
+                        if first || now.duration_since(since) >= UNKNOWN_GRACE {
+                            tracing::warn!(
+                                "sandbox {id}: the directory does not know it{}: killed",
+                                if first { " (found at start)" } else { "" }
+                            );
+                            if let Err(e) = rt.kill(id) {
+                                tracing::warn!("sandbox {id}: not killed: {e}");
+                            }
+                            unknown_since.remove(id);
                         }
                     }
+                    live.set_draining(hb.draining);
                     if hb.draining {
                         drain_step(&rt);
                     }
-                    if hb.known {
-                        Ok(())
-                    } else {
-                        db.register(&record(&cfg, &rt)).map(drop)
+                    if !hb.known {
+                        let epoch = db.register(&record(&cfg, &rt))?;
+                        tracing::warn!(
+                            "the directory had declared this node lost (or forgot it): what it \
+                             gave away is dropped; registered again, epoch {epoch}"
+                        );
                     }
+                    first = false;
+                    Ok(())
                 });
                 match (r, failing) {
-                    (Ok(()), true) => {
-                        tracing::info!("heartbeat: the directory answers again");
-                        failing = false;
+                    (Ok(()), was) => {
+                        // After what the directory said was acted on: a fence lifts only now.
+                        live.db_reached();
+                        if was {
+                            tracing::info!("heartbeat: the directory answers again");
+                            failing = false;
+                        }
                     }
                     (Err(e), false) => {
                         tracing::warn!("heartbeat failed (retrying every second): {e}");
@@ -730,4 +977,92 @@ pub fn start_heartbeat(
         })
         .map_err(|e| FleetError::Io(format!("cannot start the heartbeat thread: {e}")))?;
     Ok(epoch)
+}
+
+fn live_ids(rt: &Runtime) -> Result<Vec<String>, ember_runtime::RuntimeError> {
+    Ok(live(rt)?.into_iter().map(|s| s.id).collect())
+}
+
+/// Starts the node's fence (a thread): once the node has reached neither the directory nor
+/// any gateway for [`FENCE_AFTER`], the vCPUs of its running VMs are stopped and calls
+/// refused, until a heartbeat gets through (and what the directory gave away meanwhile is
+/// killed); then the VMs still here run again. With `watchdog`, it also feeds the VMMs'
+/// watchdogs of that timeout while the node is not fenced.
+pub fn start_fence(
+    rt: Runtime,
+    live: Arc<Liveness>,
+    watchdog: Option<Duration>,
+    stop: Arc<AtomicBool>,
+) -> Result<(), FleetError> {
+    std::thread::Builder::new()
+        .name("ember-fence".into())
+        .spawn(move || {
+            let tick = Duration::from_millis(100);
+            let mut keepalive = watchdog.map(ember_runtime::KeepAlive::new);
+            let mut frozen: Vec<String> = Vec::new();
+            let mut last_beat = Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(tick);
+                let silent = live.silent_for();
+                if !live.fenced() && silent >= FENCE_AFTER {
+                    live.fenced_at_ms.store(live.now_ms(), Ordering::SeqCst);
+                    live.fenced.store(true, Ordering::SeqCst);
+                    frozen = rt.freeze_vms();
+                    tracing::error!(
+                        "fenced: neither the directory nor any gateway reached for {:.1} s; {} \
+                         VM(s) stopped, calls refused until the directory answers",
+                        silent.as_secs_f64(),
+                        frozen.len()
+                    );
+                } else if live.fenced()
+                    && live.db_ms.load(Ordering::SeqCst) > live.fenced_at_ms.load(Ordering::SeqCst)
+                {
+                    rt.thaw_vms(&frozen);
+                    live.fenced.store(false, Ordering::SeqCst);
+                    tracing::warn!(
+                        "fence lifted: the directory answers; the VMs still here run again"
+                    );
+                    frozen.clear();
+                }
+                if let (Some(k), Some(w)) = (keepalive.as_mut(), watchdog) {
+                    if !live.fenced() && silent < FENCE_AFTER && last_beat.elapsed() >= w / 4 {
+                        k.beat(&rt);
+                        last_beat = Instant::now();
+                    }
+                }
+            }
+        })
+        .map(drop)
+        .map_err(|e| FleetError::Io(format!("cannot start the fence thread: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn silence_counts_from_the_later_of_the_directory_and_a_gateway() {
+        let live = Liveness::default();
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(live.silent_for() >= Duration::from_millis(30));
+        live.gateway_reached();
+        assert!(live.silent_for() < Duration::from_millis(30));
+        std::thread::sleep(Duration::from_millis(30));
+        live.db_reached();
+        assert!(live.silent_for() < Duration::from_millis(30));
+        assert!(!live.fenced() && !live.draining());
+        live.set_draining(true);
+        assert!(live.draining());
+    }
+
+    #[test]
+    fn ping_round_trips_through_json() {
+        let p = Ping {
+            node: "n1".into(),
+            fenced: true,
+            draining: false,
+        };
+        let back: Ping = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+        assert_eq!(back, p);
+    }
 }

@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 
 pub use config::RuntimeConfig;
 pub use error::{ErrorClass, RuntimeError};
-pub use lifecycle::{LifecycleHooks, ResumeVerdict};
+pub use lifecycle::{KeepAlive, LifecycleHooks, ResumeVerdict};
 pub use network::{NetworkInfo, MAX_PORTS};
 pub use types::*;
 pub use watches::relative_name;

@@ -635,22 +635,22 @@ impl Server {
 
 /// Completes on SIGINT or SIGTERM.
 pub async fn shutdown_signal() {
-    let int = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::error!("cannot watch SIGTERM: {e}");
-                std::future::pending::<()>().await
-            }
-        }
-    };
     tokio::select! {
-        _ = int => {}
-        _ = term => {}
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate_signal() => {}
+    }
+}
+
+/// Completes on SIGTERM (never, when it cannot be watched: said in the log).
+pub async fn terminate_signal() {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(mut s) => {
+            s.recv().await;
+        }
+        Err(e) => {
+            tracing::error!("cannot watch SIGTERM: {e}");
+            std::future::pending::<()>().await
+        }
     }
 }
 

@@ -14,6 +14,9 @@
 //! - `moved.rs`: a paused sandbox moving between hosts (`export_paused`, `import_paused`,
 //!   `forget`) and the [`crate::LifecycleHooks`] an embedder (the fleet's node) follows pauses
 //!   and resumes with.
+//! - `fence.rs`: a fence (`freeze_vms`, `thaw_vms`: every running VM's vCPUs stopped and
+//!   started again without a pause) and the VMM watchdogs' keep-alives ([`KeepAlive`]), for
+//!   an embedder that others may declare lost.
 //! - `reclaim.rs`: what ended without the runtime ending it: a VMM that died (`vmm_exited`,
 //!   called by the watcher) and what a previous server left (`reclaim`, at open).
 //!
@@ -33,9 +36,11 @@ use crate::jailed::{self, Live};
 use crate::types::*;
 use crate::{lock, Runtime, RuntimeError, SlotState};
 
+pub use fence::KeepAlive;
 pub use moved::{LifecycleHooks, ResumeVerdict};
 
 mod create;
+mod fence;
 mod fork;
 mod moved;
 mod reclaim;
