@@ -61,7 +61,7 @@ pub struct NodeArgs {
     )]
     pub vmm_watchdog: u64,
     /// On SIGTERM, how long the drain may take before the node stops anyway, seconds
-    /// (SIGTERM drains: every sandbox is paused, uploaded and continues on another node;
+    /// (SIGTERM drains, with --blobs: every sandbox is paused, uploaded and continues on another node;
     /// SIGINT stops at once and leaves the VMs running for the next start to re-adopt).
     #[arg(long, value_name = "SECS", default_value_t = 280)]
     pub drain_timeout: u64,
@@ -281,10 +281,17 @@ pub fn node_main(a: NodeArgs) -> ExitCode {
             cfg.id, cfg.advertise
         );
         // SIGTERM (an engine stopping the node, an upgrade) drains first; SIGINT does not.
-        let (node, timeout) = (cfg.id.clone(), drain_timeout);
+        let (node, timeout, can_move) = (cfg.id.clone(), drain_timeout, blobs.is_some());
         let stop: ember_server::StopSignal = Box::pin(async move {
             match node_signal().await {
                 NodeSignal::Interrupt => {}
+                // Without a blob store nothing can move: stop as on SIGINT.
+                NodeSignal::Terminate if !can_move => {
+                    tracing::warn!(
+                        "SIGTERM: no blob store (--blobs), so no drain: the VMs are left \
+                         running for the next start"
+                    );
+                }
                 NodeSignal::Terminate => {
                     tracing::info!("SIGTERM: draining before stopping");
                     let drained = tokio::task::spawn_blocking(move || {
