@@ -14,8 +14,9 @@
 #     fallback);
 #   - the pinned E2B SDKs (scripts/e2b-sdks.sh, for tests/e2b.rs), CDP clients
 #     (scripts/browser-clients.sh, for tests/browser.rs), moto's S3 server
-#     (scripts/s3-server.sh, for tests/cluster.rs) and deploy/ validators
-#     (scripts/deploy-validators.sh, for tests/deploy.rs), each cached by the hash of its pins.
+#     (scripts/s3-server.sh, for tests/cluster.rs), deploy/ validators
+#     (scripts/deploy-validators.sh, for tests/deploy.rs) and the MCP Python SDK
+#     (scripts/mcp-sdk.sh, for tests/mcp.rs), each cached by the hash of its pins.
 #
 # Usage: test-prereqs.sh [--packages | --clients]   (default: both; .ci/run runs the two parts
 # in steps of their own, scripts/test.sh the whole).
@@ -63,7 +64,7 @@ fi
 # are kept for the end, anything else they print on stdout goes to stderr.
 if $clients; then
     for script in scripts/e2b-sdks.sh scripts/browser-clients.sh scripts/s3-server.sh \
-                  scripts/deploy-validators.sh; do
+                  scripts/deploy-validators.sh scripts/mcp-sdk.sh; do
         if out=$(bash "$script"); then
             while IFS= read -r line; do
                 if [[ $line =~ ^EMBER_[A-Z0-9_]+= ]]; then

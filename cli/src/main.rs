@@ -3,6 +3,7 @@
 
 mod browser;
 mod fleet;
+mod mcp;
 mod remote;
 mod render;
 mod run;
@@ -72,6 +73,10 @@ enum Cmd {
     Artifacts(remote::ArtifactsArgs),
     /// Show a sandbox's audit log.
     Logs(remote::LogsArgs),
+    /// Serve MCP on stdio for a local agent, forwarding to the server's /mcp (EMBER_URL,
+    /// EMBER_TOKEN); kills the sandboxes it created when it exits. `ember mcp --help` shows
+    /// an MCP client's configuration.
+    Mcp(mcp::McpArgs),
     /// Save a PNG of a browser sandbox's page (`ember screenshot ID out.png`).
     Screenshot(browser::ScreenshotArgs),
     /// The local CA and certificate of the E2B TLS listener (`ember serve --tls-listen`).
@@ -99,6 +104,7 @@ fn main() -> ExitCode {
         Cmd::Cp(a) => remote::cp_main(a),
         Cmd::Artifacts(a) => remote::artifacts_main(a),
         Cmd::Logs(a) => remote::logs_main(a),
+        Cmd::Mcp(a) => mcp::main(a),
         Cmd::Screenshot(a) => browser::screenshot_main(a),
         Cmd::Tls(c) => tls::main(c),
         Cmd::Vm(c) => vm::main(c),

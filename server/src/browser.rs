@@ -451,7 +451,7 @@ async fn screenshot(
 }
 
 /// Takes a PNG screenshot of page `target` (default: the first page target).
-async fn capture(
+pub(crate) async fn capture(
     st: &AppState,
     id: &str,
     target: Option<&str>,

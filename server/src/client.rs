@@ -117,6 +117,11 @@ impl Client {
         &self.base
     }
 
+    /// The token sent, if any (for another client of the same server: `ember mcp`'s).
+    pub fn token(&self) -> Option<&str> {
+        self.token.as_deref()
+    }
+
     /// Whether a token will be sent.
     pub fn has_token(&self) -> bool {
         self.token.is_some()

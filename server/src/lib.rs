@@ -11,6 +11,7 @@
 //!   guest work.
 //! - `error`: the `{"error":{"code","message"}}` shape and status mapping.
 //! - `backend`: the runtime's calls as a trait, so this layer is testable without VMs.
+//! - `mcp`: `/mcp`, the sandboxes as MCP tools (streamable HTTP) over the same backend.
 //! - `metrics`, `openapi`, `types`: `/metrics`, the document, the API's own bodies.
 //!
 //! Around every route: a request id (`x-request-id`, the client's if it sent a sane one), a
@@ -24,6 +25,7 @@ pub mod browser;
 pub mod client;
 pub mod e2b;
 pub mod error;
+pub mod mcp;
 pub mod metrics;
 pub mod openapi;
 pub mod ports;
@@ -359,6 +361,8 @@ pub fn router(state: AppState) -> Router {
             "/v1/sandboxes/{id}/ports/{port}/{*rest}",
             axum::routing::any(ports::proxy_rest),
         )
+        // MCP (streamable HTTP): the tools over the same backend, behind the same token.
+        .route_service("/mcp", mcp::service(state.clone()))
         .fallback(error::no_route)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(middleware::from_fn_with_state(

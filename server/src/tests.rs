@@ -1073,3 +1073,66 @@ async fn a_client_that_goes_away_interrupts_silent_code() {
         Some("ctx1")
     );
 }
+
+/// A JSON-RPC request to `/mcp` (stateless streamable HTTP), with or without the token.
+fn mcp_req(body: Value, token: Option<&str>) -> Request<Body> {
+    let mut b = Request::builder()
+        .method("POST")
+        .uri("/mcp")
+        .header("host", "127.0.0.1:7070")
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .header("mcp-protocol-version", "2025-11-25");
+    if let Some(t) = token {
+        b = b.header("authorization", format!("Bearer {t}"));
+    }
+    b.body(Body::from(body.to_string())).unwrap()
+}
+
+#[tokio::test]
+async fn mcp_needs_the_token_and_answers_tool_calls_over_the_backend() {
+    let app = app();
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "0"}}});
+    let (s, v) = send_json(&app, mcp_req(init.clone(), None)).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    assert_eq!(error_code(&v), "unauthorized");
+    assert_eq!(
+        send(&app, mcp_req(init.clone(), Some("nope"))).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    let (s, v) = send_json(&app, mcp_req(init, Some(TOKEN))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["result"]["serverInfo"]["name"], "ember");
+
+    let call = |id: u32, name: &str, args: Value| {
+        json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+               "params": {"name": name, "arguments": args}})
+    };
+    let (s, v) = send_json(
+        &app,
+        mcp_req(
+            call(2, "run_code", json!({"sandbox_id": KNOWN, "code": "1"})),
+            Some(TOKEN),
+        ),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["result"]["isError"], false, "{v}");
+    assert_eq!(v["result"]["content"][0]["text"], "hi\n", "{v}");
+    // A runtime error is a tool error with the runtime's message.
+    let (_, v) = send_json(
+        &app,
+        mcp_req(
+            call(3, "kill_sandbox", json!({"sandbox_id": "bbbbbbbbbbbbbbbb"})),
+            Some(TOKEN),
+        ),
+    )
+    .await;
+    assert_eq!(v["result"]["isError"], true, "{v}");
+    assert_eq!(
+        v["result"]["content"][0]["text"], "no sandbox bbbbbbbbbbbbbbbb",
+        "{v}"
+    );
+}
