@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the pinned CDP clients that tests/browser.rs drives against `ember serve`:
+# Installs the pinned CDP clients that tests/browser.rs drives against `ember serve` (the
+# Playwright venv also drives the dashboard in tests/ui.rs):
 #   - Playwright for Python (tests/browser/requirements.txt) into a venv at
 #     $EMBER_CACHE/browser/venv-<hash> (the package only: `connect_over_cdp` needs no
 #     downloaded browser, so `playwright install` is never run);

@@ -13,7 +13,7 @@
 #     Debian 12's nodejs is 18, so an existing newer `node` is kept and apt's is only the
 #     fallback);
 #   - the pinned E2B SDKs (scripts/e2b-sdks.sh, for tests/e2b.rs), CDP clients
-#     (scripts/browser-clients.sh, for tests/browser.rs), moto's S3 server
+#     (scripts/browser-clients.sh, for tests/browser.rs and the dashboard's tests/ui.rs), moto's S3 server
 #     (scripts/s3-server.sh, for tests/cluster.rs), deploy/ validators
 #     (scripts/deploy-validators.sh, for tests/deploy.rs) and the MCP Python SDK
 #     (scripts/mcp-sdk.sh, for tests/mcp.rs), each cached by the hash of its pins.

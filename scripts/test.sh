@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 ci=false
 [[ "${CI:-}" == true ]] && ci=true
 
-# The Debian packages, the pinned E2B SDKs (tests/e2b.rs), CDP clients (tests/browser.rs),
+# The Debian packages, the pinned E2B SDKs (tests/e2b.rs), CDP clients (tests/browser.rs, tests/ui.rs),
 # deploy/ validators (tests/deploy.rs) and the MCP Python SDK (tests/mcp.rs).
 # The EMBER_* paths it prints are exported, unless set already. A failed install stops the run
 # under CI=true; elsewhere it warns, and the tests that need what is missing are skipped and

@@ -12,6 +12,14 @@ pub trait Backend: Handler + 'static {
     /// Largest upload accepted (the server answers 413 above it).
     fn max_upload_bytes(&self) -> u64;
 
+    /// What the server may hold at once, for the dashboard (`None`s: not known here).
+    fn capacity(&self) -> crate::ui::Capacity {
+        crate::ui::Capacity {
+            max_running: None,
+            max_memory_mib: None,
+        }
+    }
+
     /// A connection to the guest's `port` (from the sandbox's namespace).
     fn connect_port(
         &self,
@@ -38,6 +46,12 @@ impl dyn Backend {
 impl Backend for Runtime {
     fn max_upload_bytes(&self) -> u64 {
         self.config().max_upload_bytes
+    }
+    fn capacity(&self) -> crate::ui::Capacity {
+        crate::ui::Capacity {
+            max_running: Some(self.config().max_running as u64),
+            max_memory_mib: Some(self.config().max_committed_memory_mib),
+        }
     }
     fn connect_port(
         &self,

@@ -12,13 +12,15 @@
 //! - `error`: the `{"error":{"code","message"}}` shape and status mapping.
 //! - `backend`: the runtime's calls as a trait, so this layer is testable without VMs.
 //! - `mcp`: `/mcp`, the sandboxes as MCP tools (streamable HTTP) over the same backend.
+//! - `ui`: the web dashboard at `/ui` (embedded page, session cookie + CSRF token) over the
+//!   same backend.
 //! - `metrics`, `openapi`, `types`: `/metrics`, the document, the API's own bodies.
 //!
 //! Around every route: a request id (`x-request-id`, the client's if it sent a sane one), a
 //! tracing span with method, path, status and latency, a request counter for `/metrics`,
 //! then the E2B dispatch (`e2b::route`: E2B control-plane and sandbox traffic is answered
-//! by `e2b`, with its own auth), then bearer-token auth (except `/healthz` and
-//! `/openapi.json`).
+//! by `e2b`, with its own auth), then bearer-token auth (except `/healthz`,
+//! `/openapi.json`, the proxies and `/ui`, which check their own credentials).
 
 pub mod backend;
 pub mod browser;
@@ -34,6 +36,7 @@ pub mod routes;
 pub mod stream;
 pub mod tokens;
 pub mod types;
+pub mod ui;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -124,6 +127,7 @@ struct Shared {
     openapi: String,
     e2b: Arc<e2b::E2bOptions>,
     rpc: Arc<e2b::rpc::RpcState>,
+    ui: ui::session::Sessions,
 }
 
 impl std::fmt::Debug for AppState {
@@ -148,6 +152,7 @@ impl AppState {
                 openapi: openapi::json(),
                 e2b: Arc::new(e2b),
                 rpc: Arc::new(e2b::rpc::RpcState::default()),
+                ui: ui::session::Sessions::default(),
             }),
         }
     }
@@ -351,7 +356,8 @@ pub fn route_list() -> Vec<(&'static str, &'static str)> {
 pub fn router(state: AppState) -> Router {
     // The document is rendered once per state (`AppState::with_e2b`), not from here.
     let (native, _) = table(Default::default()).api.split_for_parts();
-    browser::routes(native)
+    // The dashboard (`/ui`): its own session auth, its data through the same backend.
+    ui::routes(browser::routes(native), state.clone())
         // The reverse proxy to exposed guest ports: any method, authorized by `ports`.
         .route(
             "/v1/sandboxes/{id}/ports/{port}/",
@@ -378,10 +384,14 @@ pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Bearer-token auth on everything but [`PUBLIC_PATHS`].
+/// Bearer-token auth on everything but [`PUBLIC_PATHS`], the proxies (their own tokens) and
+/// the dashboard (its session cookie, `ui`).
 async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
     let path = req.uri().path();
-    if PUBLIC_PATHS.contains(&path) || ports::is_proxy_path(path) || browser::is_browser_path(path)
+    if PUBLIC_PATHS.contains(&path)
+        || ports::is_proxy_path(path)
+        || browser::is_browser_path(path)
+        || ui::is_ui_path(path)
     {
         return next.run(req).await;
     }

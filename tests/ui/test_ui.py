@@ -1,0 +1,238 @@
+"""The dashboard (`/ui` of `ember serve`) driven by Playwright for Python in the host's headless
+Chromium. Run by tests/ui.rs, which starts the server and passes:
+
+  UI_URL         the server (http://127.0.0.1:PORT)
+  EMBER_TOKEN    its bearer token (typed into the sign-in form; used for the API calls here)
+  HOST_CHROMIUM  the Chromium binary
+  UI_SHOTS       a directory for one screenshot per page (tests/ui.rs checks they are not blank)
+  UI_TEMPLATE    the template with pandas (python-data)
+
+Prints figures (page weight, first paint, list update latency) and `all passed` at the end.
+"""
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+
+from playwright.sync_api import expect, sync_playwright
+
+URL = os.environ["UI_URL"]
+TOKEN = os.environ["EMBER_TOKEN"]
+CHROMIUM = os.environ["HOST_CHROMIUM"]
+SHOTS = os.environ["UI_SHOTS"]
+TEMPLATE = os.environ.get("UI_TEMPLATE", "python-data")
+T0 = time.monotonic()
+
+
+def log(msg):
+    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def http(method, path, body=None, bearer=True, headers=None):
+    """(status, parsed JSON or bytes) of a request to the server."""
+    h = dict(headers or {})
+    if bearer:
+        h["Authorization"] = f"Bearer {TOKEN}"
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        h["Content-Type"] = "application/json"
+    req = urllib.request.Request(URL + path, data=data, method=method, headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            raw, status = r.read(), r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw
+
+
+def shot(page, name):
+    path = os.path.join(SHOTS, f"{name}.png")
+    page.screenshot(path=path, full_page=False)
+    log(f"screenshot {name}: {os.path.getsize(path)} bytes")
+
+
+def main():
+    # Page weight: what a first visit downloads (no compression, nothing cached).
+    weight = {p: len(urllib.request.urlopen(URL + p).read()) for p in ("/ui/", "/ui/app.js", "/ui/app.css")}
+    print(f"FIGURE page_weight_bytes={sum(weight.values())} {weight}")
+
+    # Without the session cookie, data and actions are refused before any call.
+    for method, path in [("GET", "/ui/api/overview"), ("GET", "/ui/api/sandboxes"),
+                         ("POST", "/ui/api/sandboxes/0000000000000000/pause")]:
+        status, body = http(method, path, bearer=False)
+        assert status == 401, (method, path, status, body)
+    # The bearer token is not a session either.
+    status, _ = http("GET", "/ui/api/overview")
+    assert status == 401, status
+    log("no session: 401")
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        ctx = browser.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
+        page = ctx.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("dialog", lambda d: d.accept())
+
+        # ----- sign-in
+        page.goto(URL + "/ui/")
+        expect(page.locator("#signin-form")).to_be_visible()
+        shot(page, "signin")
+        page.fill("#token", "not-the-token")
+        page.click("#signin-button")
+        expect(page.locator("#signin-error")).to_be_visible()
+        assert not [c for c in ctx.cookies() if c["name"] == "ember_ui"], ctx.cookies()
+        page.fill("#token", TOKEN)
+        page.click("#signin-button")
+        expect(page.locator("#c-running")).to_be_visible()
+        cookie = [c for c in ctx.cookies() if c["name"] == "ember_ui"]
+        assert len(cookie) == 1, ctx.cookies()
+        c = cookie[0]
+        assert c["httpOnly"] and c["sameSite"] == "Strict" and c["path"] == "/", c
+        assert TOKEN not in c["value"]
+        seen = page.evaluate("location.href + JSON.stringify(localStorage) + JSON.stringify(sessionStorage) + document.cookie")
+        assert TOKEN not in seen and "ember_ui" not in seen, seen
+        log("signed in (cookie HttpOnly, SameSite=Strict; no token in URL or storage)")
+
+        # ----- overview: first paint of a fresh load, from the server on loopback
+        fresh = ctx.new_page()
+        fresh.goto(URL + "/ui/#/overview")
+        fresh.wait_for_selector("#c-running")
+        shown = fresh.evaluate("performance.now()")
+        paint = fresh.evaluate(
+            "Object.fromEntries(performance.getEntriesByType('paint').map(e => [e.name, e.startTime]))")
+        nav = fresh.evaluate("performance.getEntriesByType('navigation')[0].toJSON()")
+        print(f"FIGURE overview_first_paint_ms={paint.get('first-paint', -1):.1f} "
+              f"first_contentful_paint_ms={paint.get('first-contentful-paint', -1):.1f} "
+              f"dom_content_loaded_ms={nav['domContentLoadedEventEnd']:.1f} "
+              f"overview_data_shown_ms<={shown:.1f}")
+        fresh.close()
+        time.sleep(3.5)  # a few samples for the charts
+        assert page.locator("svg.chart polyline").count() >= 3
+        shot(page, "overview")
+
+        # ----- the list updates without a reload
+        page.goto(URL + "/ui/#/sandboxes")
+        expect(page.locator("#page-info")).to_contain_text("page 1")
+        page.evaluate("window.__noReload = 1")
+        status, sb = http("POST", "/v1/sandboxes", {"template": TEMPLATE, "timeout_secs": 600})
+        assert status == 201, (status, sb)
+        sid = sb["id"]
+        t = time.monotonic()
+        row = page.locator(f'tr[data-id="{sid}"]')
+        expect(row).to_be_visible(timeout=10000)
+        print(f"FIGURE list_update_ms={(time.monotonic() - t) * 1000:.0f} (sandbox created through the API → its row)")
+        assert page.evaluate("window.__noReload") == 1, "the page reloaded"
+        assert page.locator("#sandbox-rows tr").count() <= 50
+        page.select_option("#f-template", TEMPLATE)
+        expect(row).to_be_visible()
+        page.select_option("#f-state", "paused")
+        expect(row).to_have_count(0)
+        page.select_option("#f-state", "running")
+        expect(row).to_be_visible()
+        shot(page, "sandboxes")
+        log(f"sandbox {sid} listed; filters work")
+
+        # ----- the sandbox page
+        row.locator("a").click()
+        state = page.locator("#sb-state")
+        expect(state).to_have_attribute("data-state", "running")
+        page.fill("#cell", "import pandas as pd; df = pd.DataFrame({'a':[1,2,3]}); df.describe()")
+        page.click("#run-cell")
+        table = page.locator("#cell-out .rich-html table")
+        expect(table).to_be_visible(timeout=60000)
+        expect(table).to_contain_text("mean")
+        expect(table).to_contain_text("2.0")
+        log("cell: describe() shown as an HTML table")
+
+        # Guest HTML cannot run script in the page.
+        page.fill("#cell", "from IPython.display import HTML\n"
+                  "HTML('<table><tr><td onclick=\"window.pwned=1\">x</td></tr></table>"
+                  "<script>window.pwned=2</script><img src=x onerror=\"window.pwned=3\">')")
+        page.click("#run-cell")
+        expect(page.locator("#cell-out .rich-html td")).to_have_text("x", timeout=30000)
+        page.locator("#cell-out .rich-html td").click()
+        assert page.evaluate("window.pwned") is None
+        assert page.locator("#cell-out .rich-html [onclick], #cell-out script, #cell-out .rich-html img").count() == 0
+        # A PNG result.
+        page.fill("#cell", "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()")
+        page.click("#run-cell")
+        img = page.locator("#cell-out img")
+        expect(img).to_be_visible(timeout=60000)
+        assert page.evaluate("document.querySelector('#cell-out img').naturalWidth") > 100
+        log("cell: sanitized HTML, PNG image")
+
+        page.fill("#cmd", "echo hi")
+        page.click("#run-cmd")
+        out = page.locator("#cmd-out pre.stdout")
+        expect(out).to_be_visible(timeout=30000)
+        assert out.inner_text().strip() == "hi", out.inner_text()
+        expect(page.locator("#cmd-out .status")).to_contain_text('exit {"code":0}')
+        log("command: echo hi → hi")
+
+        # An artifact: written, collected, downloaded.
+        page.fill("#cmd", "mkdir -p /workspace/outputs && echo artifact-body > /workspace/outputs/report.txt")
+        page.click("#run-cmd")
+        expect(page.locator("#cmd-out .status")).to_contain_text('exit {"code":0}', timeout=30000)
+        page.click("#collect")
+        link = page.locator("#artifacts a", has_text="report.txt")
+        expect(link).to_be_visible(timeout=30000)
+        with page.expect_download() as dl:
+            link.click()
+        with open(dl.value.path(), "rb") as f:
+            got = f.read()
+        assert got == b"artifact-body\n", got
+        assert dl.value.suggested_filename == "report.txt", dl.value.suggested_filename
+        log("artifact downloaded")
+        expect(page.locator("#audit")).to_contain_text("exec")
+        expect(page.locator("#history")).to_contain_text("running")
+        shot(page, "sandbox")
+
+        # ----- CSRF: the session alone does not allow actions
+        r = page.request.post(f"{URL}/ui/api/sandboxes/{sid}/pause")
+        assert r.status == 403, (r.status, r.text())
+        r = page.request.post(f"{URL}/ui/api/sandboxes/{sid}/pause", headers={"x-ember-csrf": "0" * 64})
+        assert r.status == 403, (r.status, r.text())
+        assert http("GET", f"/v1/sandboxes/{sid}")[1]["state"] == "running"
+        # The cookie is not the API's credential.
+        r = page.request.get(f"{URL}/v1/sandboxes")
+        assert r.status == 401, r.status
+        log("no CSRF token: 403; cookie on the API: 401")
+
+        # ----- pause, resume (each confirmed in a dialog)
+        page.click("#pause")
+        expect(state).to_have_attribute("data-state", "paused", timeout=60000)
+        t = time.monotonic()
+        page.click("#resume")
+        expect(state).to_have_attribute("data-state", "running", timeout=60000)
+        log(f"paused, resumed ({time.monotonic() - t:.1f} s)")
+        expect(page.locator("#history")).to_contain_text("paused")
+
+        # ----- templates
+        page.goto(URL + "/ui/#/templates")
+        expect(page.locator("#template-rows")).to_contain_text(TEMPLATE)
+        shot(page, "templates")
+
+        # ----- kill (confirmed), then sign-out
+        page.goto(URL + f"/ui/#/sandboxes/{sid}")
+        expect(state).to_have_attribute("data-state", "running")
+        page.click("#kill")
+        expect(state).to_have_attribute("data-state", "stopped", timeout=60000)
+        page.click("#signout")
+        expect(page.locator("#signin-form")).to_be_visible()
+        r = page.request.get(f"{URL}/ui/api/overview")
+        assert r.status == 401, r.status
+        assert not errors, errors
+        browser.close()
+    log("signed out")
+    print("all passed")
+
+
+if __name__ == "__main__":
+    main()
