@@ -2,7 +2,9 @@
 //!
 //! The UART's FIFO holds 64 bytes. Input waits in a bounded buffer here; when it is full the
 //! VMM stops reading stdin, and when the guest drains the FIFO (the UART signals an eventfd)
-//! more is queued. Nothing is dropped and nothing blocks the event loop.
+//! more is queued. Nothing is dropped and nothing blocks the event loop: input the guest had
+//! not read when it stopped taking input (its driver discards the FIFO when it closes and
+//! opens the port) is taken back by the UART and sent again first.
 
 use std::collections::VecDeque;
 use std::os::unix::io::{AsRawFd, RawFd};
@@ -56,10 +58,15 @@ impl SerialInput {
     }
 
     fn flush(&mut self) {
+        let mut s = lock(&self.serial);
+        // What the guest had not read when it closed the port (or masked its interrupts)
+        // goes again before anything newer.
+        for b in s.take_back().into_iter().rev() {
+            self.pending.push_front(b);
+        }
         if self.pending.is_empty() {
             return;
         }
-        let mut s = lock(&self.serial);
         let (a, _) = self.pending.as_slices();
         let n = a.len().min(s.input_capacity());
         if n == 0 {

@@ -23,6 +23,8 @@ const LCR_DLAB: u8 = 0x80;
 const MCR_DTR: u8 = 0x01;
 /// MCR bit: loopback (the driver's probe uses it; input must not arrive then).
 const MCR_LOOP: u8 = 0x10;
+/// LSR bit: data ready (the receive FIFO holds a byte).
+const LSR_DATA_READY: u8 = 0x01;
 /// Offsets of IER and MCR.
 const OFF_IER: u8 = 1;
 const OFF_MCR: u8 = 4;
@@ -50,6 +52,11 @@ pub struct Serial {
     inner: vm_superio::Serial<EventTrigger, InputDrained, SerialOut>,
     /// Also written when the guest enables the receive interrupt (it is ready for input).
     input_ready: Option<EventFd>,
+    /// Input the guest had not read when it stopped accepting input (a port closed, a
+    /// console write masking interrupts): taken back out of the FIFO, because the driver
+    /// discards what it finds there when it shuts down and starts up the port; the feeder
+    /// sends it again first ([`Serial::take_back`]).
+    taken_back: Vec<u8>,
 }
 
 impl std::fmt::Debug for Serial {
@@ -70,6 +77,7 @@ impl Serial {
         Self {
             inner: vm_superio::Serial::with_events(irq, InputDrained(drained), out),
             input_ready,
+            taken_back: Vec::new(),
         }
     }
 
@@ -98,6 +106,24 @@ impl Serial {
         self.inner.fifo_capacity()
     }
 
+    /// Input taken back from the FIFO when the guest stopped accepting it, oldest first (to
+    /// be queued again before anything newer).
+    pub fn take_back(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.taken_back)
+    }
+
+    /// Whether a write of `value` at `off` stops the port accepting input.
+    fn stops_input(&self, off: u8, value: u8) -> bool {
+        if !self.accepting_input() {
+            return false;
+        }
+        match off {
+            OFF_IER => value & IER_RDI == 0,
+            OFF_MCR => value & MCR_DTR == 0 || value & MCR_LOOP != 0,
+            _ => false,
+        }
+    }
+
     fn accepting_input(&self) -> bool {
         let s = self.inner.state();
         s.interrupt_enable & IER_RDI != 0
@@ -120,7 +146,11 @@ impl Serial {
         let input_ready = drained.as_ref().and_then(|e| e.try_clone().ok());
         let inner = vm_superio::Serial::from_state(state, irq, InputDrained(drained), out)
             .map_err(|e| std::io::Error::other(format!("serial state: {e:?}")))?;
-        Ok(Self { inner, input_ready })
+        Ok(Self {
+            inner,
+            input_ready,
+            taken_back: Vec::new(),
+        })
     }
 }
 
@@ -136,6 +166,13 @@ impl BusDevice for Serial {
     fn write(&mut self, offset: u64, data: &[u8]) {
         if let (Ok(off), [b]) = (u8::try_from(offset), data) {
             let dlab = self.inner.state().line_control & LCR_DLAB != 0;
+            // Unread input leaves the FIFO before the guest stops taking it (with the
+            // divisor latch off, offset 0 reads the receive buffer).
+            if !dlab && self.stops_input(off, *b) {
+                while self.inner.state().line_status & LSR_DATA_READY != 0 {
+                    self.taken_back.push(self.inner.read(0));
+                }
+            }
             if let Err(e) = self.inner.write(off, *b) {
                 crate::warn_limited!("serial write at offset {off}: {e:?}");
             }
@@ -289,6 +326,33 @@ mod tests {
         // Close: DTR dropped, interrupts off.
         s.write(4, &[0x08]);
         assert_eq!(s.input_capacity(), 0);
+    }
+
+    #[test]
+    fn unread_input_is_taken_back_when_the_port_stops_taking_it() {
+        let mut s = Serial::new(EventTrigger::new().unwrap(), Box::new(std::io::sink()));
+        s.write(1, &[0x05]);
+        s.write(4, &[0x0b]);
+        assert_eq!(s.enqueue_input(b"hello").unwrap(), 5);
+        let mut b = [0u8];
+        s.read(0, &mut b);
+        assert_eq!(b[0], b'h');
+        // A console write masks the interrupts: the rest comes back out, in order.
+        s.write(1, &[0]);
+        assert_eq!(s.take_back(), b"ello");
+        assert!(s.take_back().is_empty());
+        s.read(5, &mut b);
+        assert_eq!(b[0] & LSR_DATA_READY, 0, "the FIFO is empty");
+        // Re-opened, the same bytes can be queued again; a close by DTR takes them back too.
+        s.write(1, &[0x05]);
+        s.enqueue_input(b"ello").unwrap();
+        s.write(4, &[0x08]);
+        assert_eq!(s.take_back(), b"ello");
+        // Writes that keep the port open take nothing.
+        s.write(4, &[0x0b]);
+        s.enqueue_input(b"x").unwrap();
+        s.write(1, &[0x07]);
+        assert!(s.take_back().is_empty());
     }
 
     #[test]
