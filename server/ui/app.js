@@ -6,8 +6,19 @@ const POLL_MS = 1500;
 const SAMPLES = 240; // overview chart: last 6 minutes at POLL_MS
 const $ = (sel) => document.querySelector(sel);
 
+// xterm.js's DOM renderer writes its theme and cell sizes into <style> elements it creates;
+// the page's CSP admits a style element only with this response's nonce, so they get it.
+const STYLE_NONCE = document.querySelector('meta[name="ember-style-nonce"]')?.content || '';
+const createElement = Document.prototype.createElement;
+Document.prototype.createElement = function (tag, opts) {
+  const el = createElement.call(this, tag, opts);
+  if (STYLE_NONCE && String(tag).toLowerCase() === 'style') el.nonce = STYLE_NONCE;
+  return el;
+};
+
 let csrf = null;
 let timer = null;
+let leave = null; // what the current view does when the page moves on (closes its terminal)
 const samples = []; // {t, running, paused, mem}
 
 // ----- helpers -----
@@ -119,6 +130,8 @@ async function start() {
 function route() {
   if (!csrf) return;
   stop();
+  if (leave) leave();
+  leave = null;
   flash('');
   const parts = (location.hash || '#/overview').slice(2).split('/');
   for (const a of document.querySelectorAll('#nav a')) {
@@ -311,6 +324,13 @@ function sandboxView(view, id) {
   cmd.addEventListener('keydown', (e) => { if (e.key === 'Enter') runCmd.click(); });
   cell.addEventListener('keydown', (e) => { if (e.key === 'Enter' && (e.ctrlKey || e.shiftKey)) { e.preventDefault(); runCell.click(); } });
 
+  const termBox = h('div', { id: 'term', class: 'term', hidden: true });
+  const termState = h('span', { id: 'term-state', class: 'muted' }, '');
+  const openTerm = h('button', { id: 'open-term', class: 'primary', onclick: () => (termWs ? closeTerminal() : openTerminal()) }, 'Open terminal');
+  let termWs = null;
+  let term = null;
+  leave = () => closeTerminal();
+
   const artifacts = h('ul', { id: 'artifacts' });
   const collect = h('button', { id: 'collect', onclick: async () => {
     try { await api(`${base}/artifacts/collect`, { method: 'POST' }); await refresh(); } catch (e) { flash(e.message); }
@@ -325,11 +345,58 @@ function sandboxView(view, id) {
     h('div', { class: 'box' }, h('h2', {}, 'Command'),
       h('p', { class: 'muted' }, 'Runs with /bin/sh -c; output is shown when it ends (not a terminal: no input, no TTY).'),
       h('div', { class: 'actions' }, cmd, runCmd), cmdOut),
+    h('div', { class: 'box' }, h('h2', {}, 'Terminal'),
+      h('p', { class: 'muted' }, 'An interactive shell on a terminal in the sandbox; closing it (or leaving the page) ends the shell.'),
+      h('div', { class: 'actions' }, openTerm, termState), termBox),
     h('div', { class: 'box' }, h('h2', {}, 'Artifacts'), collect, artifacts),
     h('div', { class: 'cols' },
       h('div', {}, h('h2', {}, 'State history'), h('table', {}, h('thead', {}, h('tr', {}, ['at', 'from', 'to', 'reason'].map((c) => h('th', {}, c)))), hist)),
       h('div', {}, h('h2', {}, 'Audit trail (newest first)'), h('table', {}, h('thead', {}, h('tr', {}, ['at', 'call', 'outcome', 'ms'].map((c) => h('th', {}, c)))), audit))),
   );
+
+  // The terminal: xterm.js over a WebSocket. Binary frames are the terminal's bytes both
+  // ways; text frames are control messages (resize from here, exit/error from the server).
+  // The CSRF token travels as a subprotocol (a browser cannot set headers on a WebSocket).
+  function openTerminal() {
+    termBox.hidden = false;
+    term = new window.Terminal({ fontSize: 13, scrollback: 2000, fontFamily: 'ui-monospace, "DejaVu Sans Mono", monospace' });
+    const fit = new window.FitAddon.FitAddon();
+    term.loadAddon(fit);
+    term.open(termBox);
+    fit.fit();
+    window.emberTerm = term; // the UI test reads its buffer
+    const url = `${location.protocol === 'https:' ? 'wss:' : 'ws:'}//${location.host}${base}/terminal?cols=${term.cols}&rows=${term.rows}`;
+    const ws = new WebSocket(url, ['ember-terminal', `csrf.${csrf}`]);
+    termWs = ws;
+    ws.binaryType = 'arraybuffer';
+    const enc = new TextEncoder();
+    termState.textContent = 'connecting…';
+    openTerm.textContent = 'Close terminal';
+    ws.onopen = () => { termState.textContent = 'connected'; term.focus(); };
+    ws.onmessage = (ev) => {
+      if (typeof ev.data !== 'string') { term.write(new Uint8Array(ev.data)); return; }
+      let m = {};
+      try { m = JSON.parse(ev.data); } catch (e) { return; }
+      term.write(m.type === 'exit' ? '\r\n[the shell ended]\r\n' : `\r\n[${m.message || m.type}]\r\n`);
+    };
+    ws.onclose = () => { if (termWs === ws) { termWs = null; termState.textContent = 'closed'; openTerm.textContent = 'Open terminal'; } };
+    term.onData((d) => {
+      const bytes = enc.encode(d);
+      for (let i = 0; i < bytes.length && ws.readyState === WebSocket.OPEN; i += 16384) ws.send(bytes.subarray(i, i + 16384));
+    });
+    term.onResize(({ cols, rows }) => { if (ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: 'resize', cols, rows })); });
+    const onWindow = () => { if (term) fit.fit(); };
+    window.addEventListener('resize', onWindow);
+    term._emberOff = () => window.removeEventListener('resize', onWindow);
+  }
+
+  function closeTerminal() {
+    if (termWs) { const ws = termWs; termWs = null; ws.close(); }
+    if (term) { term._emberOff(); term.dispose(); term = null; window.emberTerm = null; }
+    termBox.hidden = true;
+    termState.textContent = '';
+    openTerm.textContent = 'Open terminal';
+  }
 
   async function run(button, out, what, body) {
     button.disabled = true;
@@ -359,6 +426,7 @@ function sandboxView(view, id) {
     kill.disabled = final;
     runCell.disabled = runCell.disabled || final;
     runCmd.disabled = runCmd.disabled || final;
+    openTerm.disabled = !termWs && s.state !== 'running';
     collect.disabled = s.state !== 'running';
     artifacts.replaceChildren(...d.artifacts.map((a) => h('li', {},
       h('a', { href: `${base}/artifact?${new URLSearchParams({ path: a.path })}`, download: a.path.split('/').pop() }, a.path),

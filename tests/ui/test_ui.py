@@ -12,6 +12,7 @@ Prints figures (page weight, first paint, list update latency) and `all passed` 
 
 import json
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -51,6 +52,35 @@ def http(method, path, body=None, bearer=True, headers=None):
         return status, raw
 
 
+TERM_HAS_LINE = """(want) => {
+    const t = window.emberTerm;
+    if (!t) return false;
+    const b = t.buffer.active;
+    for (let i = 0; i < b.length; i++) {
+        const l = b.getLine(i);
+        if (l && l.translateToString(true).trim() === want) return true;
+    }
+    return false;
+}"""
+
+
+def ws_status(host, path, headers):
+    """The HTTP status of a WebSocket handshake with these headers (then the socket is closed)."""
+    h, port = host.rsplit(":", 1)
+    with socket.create_connection((h, int(port)), timeout=30) as s:
+        lines = [f"GET {path} HTTP/1.1", f"Host: {host}", "Upgrade: websocket", "Connection: Upgrade",
+                 "Sec-WebSocket-Version: 13", "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ=="]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        s.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        first = s.recv(4096).split(b"\r\n", 1)[0].decode()
+        status = int(first.split()[1])
+        if status == 101:
+            s.recv(4096)  # the shell's first output: it started; closing the socket ends it
+    if status == 101:
+        time.sleep(1)  # the server kills and forgets the shell
+    return status
+
+
 def shot(page, name):
     path = os.path.join(SHOTS, f"{name}.png")
     page.screenshot(path=path, full_page=False)
@@ -61,6 +91,9 @@ def main():
     # Page weight: what a first visit downloads (no compression, nothing cached).
     weight = {p: len(urllib.request.urlopen(URL + p).read()) for p in ("/ui/", "/ui/app.js", "/ui/app.css")}
     print(f"FIGURE page_weight_bytes={sum(weight.values())} {weight}")
+    vendor = {p: len(urllib.request.urlopen(URL + p).read())
+              for p in ("/ui/vendor/xterm.js", "/ui/vendor/addon-fit.js", "/ui/vendor/xterm.css")}
+    print(f"FIGURE vendor_weight_bytes={sum(vendor.values())} {vendor}")
 
     # Without the session cookie, data and actions are refused before any call.
     for method, path in [("GET", "/ui/api/overview"), ("GET", "/ui/api/sandboxes"),
@@ -190,6 +223,51 @@ def main():
         assert got == b"artifact-body\n", got
         assert dl.value.suggested_filename == "report.txt", dl.value.suggested_filename
         log("artifact downloaded")
+
+        # ----- the terminal: a shell on a PTY over a WebSocket (xterm.js)
+        t = time.monotonic()
+        page.click("#open-term")
+        expect(page.locator("#term-state")).to_have_text("connected", timeout=30000)
+        page.locator("#term .xterm-screen").click()
+        page.keyboard.type("echo hi")
+        page.keyboard.press("Enter")
+        # A line that is exactly `hi`: the command's output, not the echo of what was typed.
+        page.wait_for_function(TERM_HAS_LINE, arg="hi", timeout=30000)
+        expect(page.locator("#term .xterm-rows")).to_contain_text("echo hi")
+        log(f"terminal: echo hi → hi ({time.monotonic() - t:.1f} s)")
+        # A resize reaches the PTY: `stty size` answers the terminal's rows and columns.
+        page.set_viewport_size({"width": 1000, "height": 900})
+        page.wait_for_timeout(300)
+        rows, cols = page.evaluate("[window.emberTerm.rows, window.emberTerm.cols]")
+        page.keyboard.type("stty size")
+        page.keyboard.press("Enter")
+        page.wait_for_function(TERM_HAS_LINE, arg=f"{rows} {cols}", timeout=30000)
+        page.set_viewport_size({"width": 1280, "height": 900})
+        log(f"terminal: resized to {cols}x{rows}")
+        shot(page, "terminal")
+        # Without the CSRF subprotocol (the page's own origin): refused.
+        closed = page.evaluate("""(url) => new Promise((done) => {
+            const ws = new WebSocket(url, ['ember-terminal']);
+            ws.onopen = () => { ws.close(); done('open'); };
+            ws.onerror = () => done('refused');
+        })""", URL.replace("http://", "ws://") + f"/ui/api/sandboxes/{sid}/terminal")
+        assert closed == "refused", closed
+        # A foreign Origin (which a browser page elsewhere would send): refused before the upgrade.
+        session_csrf = page.evaluate("fetch('/ui/api/session').then((r) => r.json()).then((j) => j.csrf)")
+        cookie_value = [c for c in ctx.cookies() if c["name"] == "ember_ui"][0]["value"]
+        host = URL.split("://", 1)[1]
+        def handshake(origin, csrf_token):
+            protocols = "ember-terminal" + (f", csrf.{csrf_token}" if csrf_token else "")
+            return ws_status(host, f"/ui/api/sandboxes/{sid}/terminal", {
+                "Origin": origin, "Cookie": f"ember_ui={cookie_value}",
+                "Sec-WebSocket-Protocol": protocols})
+        assert handshake("http://evil.example", session_csrf) == 403
+        assert handshake(f"http://{host}", None) == 403
+        assert handshake(f"http://{host}", "0" * 64) == 403
+        assert handshake(f"http://{host}", session_csrf) == 101
+        log("terminal WebSocket: foreign Origin 403, no CSRF 403, both right 101")
+        page.click("#open-term")  # closes it (and the shell)
+        expect(page.locator("#term-state")).to_have_text("")
         expect(page.locator("#audit")).to_contain_text("exec")
         expect(page.locator("#history")).to_contain_text("running")
         shot(page, "sandbox")

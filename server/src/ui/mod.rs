@@ -13,6 +13,7 @@
 //! want the bearer token, never the cookie.
 
 pub mod session;
+pub mod terminal;
 
 use std::time::Instant;
 
@@ -34,6 +35,10 @@ use session::{SessionError, CSRF_HEADER};
 const INDEX_HTML: &str = include_str!("../../ui/index.html");
 const APP_JS: &str = include_str!("../../ui/app.js");
 const APP_CSS: &str = include_str!("../../ui/app.css");
+// xterm.js and its fit addon, from npm at build time (server/build.rs, server/ui/npm).
+const XTERM_JS: &str = include_str!(concat!(env!("OUT_DIR"), "/vendor/xterm.js"));
+const XTERM_CSS: &str = include_str!(concat!(env!("OUT_DIR"), "/vendor/xterm.css"));
+const ADDON_FIT_JS: &str = include_str!(concat!(env!("OUT_DIR"), "/vendor/addon-fit.js"));
 
 /// Rows per page of the sandbox list (at most).
 pub const PAGE_MAX: usize = 50;
@@ -42,11 +47,16 @@ pub const OUTPUT_CAP: usize = 4 << 20;
 /// Time limit of one cell or command from the dashboard.
 pub const CALL_TIMEOUT_MS: u64 = 120_000;
 
-/// The page's Content-Security-Policy: only this server's script and style; images also
+/// The page's Content-Security-Policy: only this server's script and style (and style
+/// elements carrying this response's nonce: xterm.js writes its theme into one); images also
 /// from `data:` (rich results); no frames, no plugins, no form posts elsewhere.
-const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
-                   img-src 'self' data:; connect-src 'self'; form-action 'self'; \
-                   frame-ancestors 'none'; base-uri 'none'";
+fn csp(nonce: &str) -> String {
+    format!(
+        "default-src 'none'; script-src 'self'; style-src 'self' 'nonce-{nonce}'; \
+         img-src 'self' data:; connect-src 'self'; form-action 'self'; \
+         frame-ancestors 'none'; base-uri 'none'"
+    )
+}
 
 /// Whether `path` belongs to the dashboard (its own auth; the bearer check leaves it alone).
 pub fn is_ui_path(path: &str) -> bool {
@@ -69,6 +79,7 @@ pub fn routes(router: Router<AppState>, st: AppState) -> Router<AppState> {
         .route("/ui/api/sandboxes/{id}/exec", post(exec))
         .route("/ui/api/sandboxes/{id}/artifacts/collect", post(collect))
         .route("/ui/api/sandboxes/{id}/artifact", get(artifact))
+        .route("/ui/api/sandboxes/{id}/terminal", get(terminal::terminal))
         .route_layer(middleware::from_fn_with_state(st, require_session));
     router
         .route("/ui", get(|| async { redirect("/ui/") }))
@@ -78,6 +89,18 @@ pub fn routes(router: Router<AppState>, st: AppState) -> Router<AppState> {
             get(|| async { asset(APP_JS, "text/javascript") }),
         )
         .route("/ui/app.css", get(|| async { asset(APP_CSS, "text/css") }))
+        .route(
+            "/ui/vendor/xterm.js",
+            get(|| async { asset(XTERM_JS, "text/javascript") }),
+        )
+        .route(
+            "/ui/vendor/addon-fit.js",
+            get(|| async { asset(ADDON_FIT_JS, "text/javascript") }),
+        )
+        .route(
+            "/ui/vendor/xterm.css",
+            get(|| async { asset(XTERM_CSS, "text/css") }),
+        )
         .route("/ui/login", post(login))
         .merge(api)
 }
@@ -107,12 +130,22 @@ fn redirect(to: &'static str) -> Response {
 }
 
 async fn index() -> Response {
-    let mut resp = asset(INDEX_HTML, "text/html; charset=utf-8");
+    let nonce = match session::random_hex() {
+        Ok(n) => n,
+        Err(e) => return ApiError::internal(format!("a style nonce: {e}")).into_response(),
+    };
+    let html = INDEX_HTML.replace("{{STYLE_NONCE}}", &nonce);
+    let mut resp = html.into_response();
+    no_store(&mut resp);
     let h = resp.headers_mut();
     h.insert(
-        header::CONTENT_SECURITY_POLICY,
-        HeaderValue::from_static(CSP),
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
     );
+    match HeaderValue::from_str(&csp(&nonce)) {
+        Ok(v) => h.insert(header::CONTENT_SECURITY_POLICY, v),
+        Err(e) => return ApiError::internal(format!("the CSP header: {e}")).into_response(),
+    };
     h.insert("x-frame-options", HeaderValue::from_static("DENY"));
     h.insert("referrer-policy", HeaderValue::from_static("no-referrer"));
     resp
@@ -687,10 +720,36 @@ mod tests {
         let (s, h, body) = send(&app, ui_req("GET", "/ui/", None, None)).await;
         assert_eq!(s, StatusCode::OK);
         assert!(String::from_utf8_lossy(&body).contains("/ui/app.js"));
+        assert!(String::from_utf8_lossy(&body).contains("/ui/vendor/xterm.js"));
         let csp = h["content-security-policy"].to_str().unwrap();
         assert!(csp.contains("script-src 'self'"), "{csp}");
         let (s, _, _) = send(&app, ui_req("GET", "/ui/app.js", None, None)).await;
         assert_eq!(s, StatusCode::OK);
+        // The style nonce is fresh per page and the same in the page and its CSP.
+        let nonce = csp
+            .split("'nonce-")
+            .nth(1)
+            .unwrap()
+            .split('\'')
+            .next()
+            .unwrap();
+        assert_eq!(nonce.len(), 64);
+        assert!(String::from_utf8_lossy(&body).contains(&format!("content=\"{nonce}\"")));
+        // The vendored terminal, embedded, with its content types.
+        for (path, ct, needle) in [
+            ("/ui/vendor/xterm.js", "text/javascript", "Terminal"),
+            ("/ui/vendor/addon-fit.js", "text/javascript", "FitAddon"),
+            ("/ui/vendor/xterm.css", "text/css", ".xterm"),
+        ] {
+            let (s, h, body) = send(&app, ui_req("GET", path, None, None)).await;
+            assert_eq!(s, StatusCode::OK, "{path}");
+            assert_eq!(h["content-type"], ct, "{path}");
+            assert!(String::from_utf8_lossy(&body).contains(needle), "{path}");
+        }
+        // The terminal: the session first (401), then Origin and the CSRF subprotocol (403).
+        let term = format!("/ui/api/sandboxes/{KNOWN}/terminal");
+        let (s, _, _) = send(&app, ui_req("GET", &term, None, None)).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED);
         // No session: 401 on data, before any call.
         let (s, _, _) = send(&app, ui_req("GET", "/ui/api/overview", None, None)).await;
         assert_eq!(s, StatusCode::UNAUTHORIZED);
@@ -749,6 +808,37 @@ mod tests {
             String::from_utf8_lossy(&body)
         );
         assert!(String::from_utf8_lossy(&body).contains("wrong_state"));
+        // The terminal's WebSocket: a foreign or missing Origin, or no CSRF subprotocol: 403.
+        let ws = |origin: Option<&str>, protocols: &str| {
+            let mut b = Request::builder()
+                .method("GET")
+                .uri(&term)
+                .header("host", "127.0.0.1:3000")
+                .header("cookie", format!("{}={id}", session::COOKIE))
+                .header("sec-websocket-protocol", protocols);
+            if let Some(o) = origin {
+                b = b.header("origin", o);
+            }
+            b.body(axum::body::Body::empty()).unwrap()
+        };
+        let good = format!("ember-terminal, csrf.{csrf}");
+        let (s, _, body) = send(&app, ws(Some("http://evil.example"), &good)).await;
+        assert_eq!(s, StatusCode::FORBIDDEN);
+        assert!(String::from_utf8_lossy(&body).contains("origin"));
+        let (s, _, _) = send(&app, ws(None, &good)).await;
+        assert_eq!(s, StatusCode::FORBIDDEN);
+        let origin = Some("http://127.0.0.1:3000");
+        let (s, _, body) = send(&app, ws(origin, "ember-terminal")).await;
+        assert_eq!(s, StatusCode::FORBIDDEN);
+        assert!(String::from_utf8_lossy(&body).contains("csrf"));
+        let (s, _, _) = send(&app, ws(origin, "ember-terminal, csrf.nope")).await;
+        assert_eq!(s, StatusCode::FORBIDDEN);
+        // Both right: past the checks (not a real upgrade here, so not 101, nor 401/403).
+        let (s, _, _) = send(&app, ws(origin, &good)).await;
+        assert!(
+            s != StatusCode::FORBIDDEN && s != StatusCode::UNAUTHORIZED,
+            "{s}"
+        );
         // The cookie is not the API's credential.
         let (s, _, _) = send(&app, ui_req("GET", "/v1/sandboxes", Some(&id), None)).await;
         assert_eq!(s, StatusCode::UNAUTHORIZED);

@@ -176,7 +176,7 @@ pub fn cookie_value(header: &str) -> Option<&str> {
 }
 
 /// 32 random bytes as hex.
-fn random_hex() -> std::io::Result<String> {
+pub(crate) fn random_hex() -> std::io::Result<String> {
     use std::io::Read;
     let mut b = [0u8; 32];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
