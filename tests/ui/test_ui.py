@@ -244,6 +244,19 @@ def main():
         page.wait_for_function(TERM_HAS_LINE, arg=f"{rows} {cols}", timeout=30000)
         page.set_viewport_size({"width": 1280, "height": 900})
         log(f"terminal: resized to {cols}x{rows}")
+        # A flood (100 kB of output) goes through, and the shell still answers after it.
+        t = time.monotonic()
+        page.keyboard.type("head -c 100000 /dev/zero | tr '\\0' x; echo; echo flood-$((6*7))")
+        page.keyboard.press("Enter")
+        try:
+            page.wait_for_function(TERM_HAS_LINE, arg="flood-42", timeout=30000)
+        except Exception:
+            shot(page, "flood")
+            print("DEBUG", page.evaluate("""() => { const b = window.emberTerm.buffer.active; const out = [];
+                for (let i = Math.max(0, b.length - 8); i < b.length; i++) out.push(b.getLine(i).translateToString(true));
+                return JSON.stringify({len: b.length, base: b.baseY, out}); }"""))
+            raise
+        log(f"terminal: 100 kB of output shown in {time.monotonic() - t:.1f} s")
         shot(page, "terminal")
         # Without the CSRF subprotocol (the page's own origin): refused.
         closed = page.evaluate("""(url) => new Promise((done) => {
@@ -266,6 +279,24 @@ def main():
         assert handshake(f"http://{host}", "0" * 64) == 403
         assert handshake(f"http://{host}", session_csrf) == 101
         log("terminal WebSocket: foreign Origin 403, no CSRF 403, both right 101")
+        # The socket's own throughput, without xterm.js: 200 kB of output, bytes counted.
+        rate = page.evaluate("""([url, csrf]) => new Promise((done) => {
+            const ws = new WebSocket(url, ['ember-terminal', `csrf.${csrf}`]);
+            ws.binaryType = 'arraybuffer';
+            let n = 0, t0 = 0, tail = '';
+            const dec = new TextDecoder();
+            ws.onopen = () => { t0 = performance.now();
+                ws.send(new TextEncoder().encode("head -c 200000 /dev/zero | tr '\\\\0' x; echo; echo done-$((6*7))\\r")); };
+            ws.onmessage = (ev) => {
+                if (typeof ev.data === 'string') return;
+                n += ev.data.byteLength;
+                tail = (tail + dec.decode(ev.data)).slice(-64);
+                if (/\\ndone-42/.test(tail)) { ws.close(); done({ bytes: n, ms: performance.now() - t0 }); }
+            };
+            setTimeout(() => { ws.close(); done({ bytes: n, ms: -1 }); }, 30000);
+        })""", [URL.replace("http://", "ws://") + f"/ui/api/sandboxes/{sid}/terminal", session_csrf])
+        print(f"FIGURE terminal_socket_bytes={rate['bytes']} ms={rate['ms']:.0f}")
+        assert rate["ms"] > 0 and rate["bytes"] > 200000, rate
         page.click("#open-term")  # closes it (and the shell)
         expect(page.locator("#term-state")).to_have_text("")
         expect(page.locator("#audit")).to_contain_text("exec")
