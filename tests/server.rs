@@ -457,3 +457,85 @@ fn a_server_killed_with_sigkill_is_replaced_and_reattaches_its_sandboxes() {
         "{history:?}"
     );
 }
+
+/// Data at rest: the state directory is the server's alone (repaired at start when it was
+/// not), and secret environment values — named in `secret_env`, or with a credential-like
+/// name — reach the guest but nothing written on the host: not the database or its WAL, not
+/// the server's log, not an answer.
+#[test]
+fn secret_environment_values_reach_the_guest_and_nothing_at_rest() {
+    use std::os::unix::fs::PermissionsExt;
+    let home = home();
+    std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut srv = Server::start(home.path(), &[]);
+    let c = srv.client();
+    let key = format!("sk-ember-{}", ember_runtime::paths::random_id());
+    let dsn = format!("pg://u:{}@db", ember_runtime::paths::random_id());
+    let mut req = CreateRequest::default();
+    req.env.insert("OPENAI_API_KEY".into(), key.clone());
+    req.env.insert("DSN".into(), dsn.clone());
+    req.env.insert("PLAIN".into(), "visible".into());
+    req.secret_env.insert("DSN".into());
+    let s = c.create(&req).unwrap();
+    for info in [s.clone(), c.sandbox(&s.id).unwrap()] {
+        assert_eq!(info.env["OPENAI_API_KEY"], "[redacted]", "{info:?}");
+        assert_eq!(info.env["DSN"], "[redacted]");
+        assert_eq!(info.env["PLAIN"], "visible");
+    }
+    let probe = "import os, subprocess\n\
+                 ' '.join([os.environ['OPENAI_API_KEY'], os.environ['DSN'], \
+                 subprocess.run(['printenv', 'OPENAI_API_KEY'], capture_output=True, text=True).stdout.strip()])";
+    let expect = format!("'{key} {dsn} {key}'");
+    let (_, ev) = code(&c, &s.id, probe);
+    assert_eq!(result_text(&ev).as_deref(), Some(expect.as_str()), "{ev:?}");
+    // A pause and resume keep them (in the server's memory and the guest's).
+    c.action::<Value>(&s.id, "pause").unwrap();
+    c.action::<Value>(&s.id, "resume").unwrap();
+    let (_, ev) = code(&c, &s.id, probe);
+    assert_eq!(result_text(&ev).as_deref(), Some(expect.as_str()), "{ev:?}");
+    let listed = srv
+        .req("GET", "/v1/sandboxes")
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    assert!(!listed.contains(&key) && !listed.contains(&dsn), "{listed}");
+    c.kill(&s.id).unwrap();
+    srv.shutdown();
+    for secret in [&key, &dsn] {
+        let out = Command::new("grep")
+            .args(["-r", "-l", "-a", "-F", "-e", secret])
+            .arg(home.path())
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "a secret value found at rest in: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // The repair was made and said; another account can read none of it.
+    let mode = std::fs::metadata(home.path()).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700);
+    assert!(srv.log().contains("was mode 755, now 700"), "{}", srv.log());
+    let db = home.path().join("ember.db");
+    assert_eq!(
+        std::fs::metadata(&db).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    for target in [db, home.path().join("artifacts"), home.path().join("token")] {
+        let out = Command::new("runuser")
+            .args(["-u", "nobody", "--", "ls", "-l"])
+            .arg(&target)
+            .output()
+            .unwrap();
+        assert!(
+            !out.status.success(),
+            "nobody can read {}: {}",
+            target.display(),
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+}

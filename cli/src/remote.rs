@@ -231,6 +231,11 @@ pub struct CreateArgs {
     /// An environment variable for code and programs (`k=v`, repeatable).
     #[arg(long = "env", value_name = "K=V")]
     pub env: Vec<String>,
+    /// A secret environment variable (`k=v`, repeatable): visible to code and programs, never
+    /// stored, logged or shown (names like `*_KEY`, `*_TOKEN`, `*_SECRET`, `*PASSWORD*` are
+    /// secret even when given with `--env`).
+    #[arg(long = "secret-env", value_name = "K=V")]
+    pub secret_env: Vec<String>,
     /// In a fleet: only on a node with this label (`k=v`, repeatable; see `ember node
     /// --label`).
     #[arg(long = "node-label", value_name = "K=V")]
@@ -748,14 +753,17 @@ fn one(c: &Client, json: bool, r: Result<SandboxInfo, ClientError>, full: bool) 
 }
 
 fn create(c: &Client, a: CreateArgs) -> ExitCode {
-    let (metadata, env, on_timeout) = match (
+    let (metadata, mut env, secret, on_timeout) = match (
         pairs(&a.meta, "--meta"),
         pairs(&a.env, "--env"),
+        pairs(&a.secret_env, "--secret-env"),
         on_timeout(a.on_timeout.as_deref()),
     ) {
-        (Ok(m), Ok(e), Ok(o)) => (m, e, o),
-        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return usage(e),
+        (Ok(m), Ok(e), Ok(s), Ok(o)) => (m, e, s, o),
+        (Err(e), ..) | (_, Err(e), ..) | (_, _, Err(e), _) | (.., Err(e)) => return usage(e),
     };
+    let secret_env = secret.keys().cloned().collect();
+    env.extend(secret);
     let network = match a.policy.policy() {
         Ok(p) => p.unwrap_or_default(),
         Err(e) => return usage(e),
@@ -772,6 +780,7 @@ fn create(c: &Client, a: CreateArgs) -> ExitCode {
         timeout_secs: a.timeout,
         on_timeout: on_timeout.unwrap_or_default(),
         env,
+        secret_env,
         metadata,
         ..Default::default()
     };

@@ -91,6 +91,11 @@ impl Runtime {
         );
         let timeout =
             Duration::from_millis(req.timeout_ms.unwrap_or(limit)) + Duration::from_secs(30);
+        // The sandbox's environment (create's `env`, secret values included) under the
+        // call's own: a template's warm contexts were started before the sandbox had one.
+        for (k, v) in self.row_env(id) {
+            req.env.entry(k).or_insert(v);
+        }
         self.audited(id, "run_code", args, |vm, bytes| {
             bytes.0 = req.code.len() as u64;
             let mut stopped = false;
@@ -217,8 +222,12 @@ impl Runtime {
         })
     }
 
-    fn row_env(&self, id: &str) -> std::collections::BTreeMap<String, String> {
-        self.get(id).map(|i| i.env).unwrap_or_default()
+    /// The sandbox's environment with its secret values (which `get` redacts).
+    pub(crate) fn row_env(&self, id: &str) -> std::collections::BTreeMap<String, String> {
+        match super::lock(&self.inner.slots).get(id).cloned() {
+            Some(slot) => super::lock(&slot.st).row.env.clone(),
+            None => self.get(id).map(|i| i.env).unwrap_or_default(),
+        }
     }
 
     /// Creates a code context.

@@ -30,6 +30,7 @@ pub mod paths;
 pub mod pool;
 pub mod processes;
 pub mod sandbox;
+pub mod secret_env;
 pub mod store;
 pub mod template;
 
@@ -190,6 +191,21 @@ impl Runtime {
         }
         let bins = Binaries::find(&cfg)?;
         let store = Store::open(&cfg.db_path())?;
+        // State at rest is the server's alone (docs/architecture.md "Data at rest").
+        let db = cfg.db_path();
+        let mut files: Vec<std::path::PathBuf> = ["", "-wal", "-shm"]
+            .iter()
+            .map(|s| format!("{}{s}", db.display()).into())
+            .collect();
+        files.push(cfg.home.join("token"));
+        match paths::secure_state(&cfg.home, &files) {
+            Ok(fixed) => {
+                for f in fixed {
+                    tracing::warn!("state readable by other accounts, repaired: {f}");
+                }
+            }
+            Err(e) => tracing::warn!("cannot check the modes of {}: {e}", cfg.home.display()),
+        }
         let net = Arc::new(
             crate::netpolicy::NetManager::new(&cfg.home, cfg.network.clone())
                 .map_err(|e| RuntimeError::Internal(e.to_string()))?,

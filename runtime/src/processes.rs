@@ -86,7 +86,8 @@ impl Runtime {
             "argv": req.argv, "cwd": req.cwd, "user": req.user, "pty": req.pty.is_some(),
             "tag": tag, "timeout_ms": req.timeout_ms,
         });
-        let row_env = self.get(id)?.env;
+        self.get(id)?;
+        let row_env = self.row_env(id);
         let pid = self.audited(id, "process_start", args, |vm, _| {
             let mut env = vm.sandbox.template_env().clone();
             env.extend(row_env);

@@ -7,7 +7,7 @@
 //! Behind this one type so that a shared store (PostgreSQL, when several hosts share a
 //! gateway) can replace it later.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use rusqlite::{params, Connection, OptionalExtension};
@@ -159,8 +159,12 @@ pub struct SandboxRow {
     pub resources: Resources,
     /// Labels.
     pub metadata: BTreeMap<String, String>,
-    /// Environment.
+    /// Environment (secret values included, in memory only: see `secret_env`).
     pub env: BTreeMap<String, String>,
+    /// Names of `env` entries whose values are secret (`crate::secret_env`): written as a
+    /// marker, shown redacted.
+    #[serde(default)]
+    pub secret_env: BTreeSet<String>,
     /// Guest directory whose files are artifacts.
     pub outputs: String,
     /// Host uid of its jail.
@@ -196,7 +200,7 @@ impl SandboxRow {
             on_timeout: self.on_timeout,
             resources: self.resources.clone(),
             metadata: self.metadata.clone(),
-            env: self.env.clone(),
+            env: crate::secret_env::shown(&self.env, &self.secret_env),
             pid: self.pid,
             start_ms: self.start_ms,
             network: self.network.clone(),
@@ -234,7 +238,9 @@ fn row_to_sandbox(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRow> {
     let on_timeout: String = r.get(11)?;
     let resources: String = r.get(13)?;
     let metadata: String = r.get(14)?;
-    let env: String = r.get(15)?;
+    let mut env: BTreeMap<String, String> = from_json(&r.get::<_, String>(15)?);
+    let mut secret_env = BTreeSet::new();
+    crate::secret_env::restore(&mut env, &mut secret_env);
     Ok(SandboxRow {
         id: r.get(0)?,
         template: r.get(1)?,
@@ -255,7 +261,8 @@ fn row_to_sandbox(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRow> {
         timeout_ms: r.get(12)?,
         resources: from_json(&resources),
         metadata: from_json(&metadata),
-        env: from_json(&env),
+        env,
+        secret_env,
         outputs: r.get(16)?,
         uid: r.get(17)?,
         jail_id: r.get(18)?,
@@ -272,6 +279,21 @@ fn row_to_sandbox(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRow> {
 impl Store {
     /// Opens (creating) the database at `path`.
     pub fn open(path: &Path) -> StoreResult<Store> {
+        // Created mode 0600: SQLite gives its WAL and shared-memory files the same mode.
+        if !path.exists() {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(path)
+                .map_err(|e| {
+                    rusqlite::Error::InvalidParameterName(format!(
+                        "cannot create {}: {e}",
+                        path.display()
+                    ))
+                })?;
+        }
         let conn = Connection::open(path)?;
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
@@ -331,7 +353,7 @@ impl Store {
                 s.timeout_ms,
                 json(&s.resources),
                 json(&s.metadata),
-                json(&s.env),
+                json(&crate::secret_env::at_rest(&s.env, &s.secret_env)),
                 s.outputs,
                 s.uid,
                 s.jail_id,
@@ -768,6 +790,7 @@ mod tests {
             },
             metadata: [("k".to_string(), "v".to_string())].into(),
             env: BTreeMap::new(),
+            secret_env: BTreeSet::new(),
             outputs: "/workspace/outputs".into(),
             uid: Some(200_001),
             jail_id: Some("j".into()),

@@ -2,7 +2,7 @@
 //! records). All of it is plain serde data, shared by the library, the HTTP API (which derives
 //! its OpenAPI schemas from these types) and the CLI.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -167,6 +167,12 @@ pub struct CreateRequest {
     /// template's).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Names of `env` entries whose values are secret: never stored, logged or answered
+    /// (`get` shows `[redacted]`); they live in the server's memory while the sandbox runs.
+    /// Names that look like credentials (`*_KEY`, `*_TOKEN`, `*_SECRET`, `*PASSWORD*`) are
+    /// secret without being listed.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub secret_env: BTreeSet<String>,
     /// The caller's labels, returned by `get` and usable as `list` filters.
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,

@@ -251,6 +251,10 @@ impl Runtime {
         };
         let mut env = src.env.clone();
         env.extend(req.env.clone());
+        let mut secret_env = crate::secret_env::secret_names(&env, &req.secret_env);
+        if let Some((p, _)) = fork {
+            secret_env.extend(p.secret_env.iter().cloned());
+        }
         let id = crate::paths::random_id();
         let now = now_ms();
         let row = SandboxRow {
@@ -270,6 +274,7 @@ impl Runtime {
             resources,
             metadata: req.metadata.clone(),
             env,
+            secret_env,
             outputs: src.outputs.clone(),
             uid: None,
             jail_id: None,

@@ -233,8 +233,11 @@ impl Runtime {
                 dest,
             ))?;
         }
+        // Secret values stay out of the snapshot's metadata (`crate::secret_env`).
+        let mut env = row.env.clone();
+        env.retain(|k, _| !row.secret_env.contains(k));
         let meta = SnapshotMeta {
-            env: row.env.clone(),
+            env,
             outputs: row.outputs.clone(),
             resources: row.resources.clone(),
         };

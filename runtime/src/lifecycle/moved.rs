@@ -194,9 +194,12 @@ impl Runtime {
     }
 }
 
-/// `row` without what belongs to one host.
+/// `row` without what belongs to one host, and without its secret environment values
+/// (`crate::secret_env`: they never leave the server's memory).
 pub(super) fn portable(row: &SandboxRow) -> SandboxRow {
     let mut r = row.clone();
+    r.env = crate::secret_env::at_rest(&r.env, &r.secret_env);
+    crate::secret_env::restore(&mut r.env, &mut r.secret_env);
     r.uid = None;
     r.jail_id = None;
     r.pid = None;

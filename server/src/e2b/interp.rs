@@ -285,9 +285,8 @@ async fn execute(
         Ok(l) => l,
         Err(e) => return e.into_response(),
     };
-    // The sandbox's environment (create's `envVars`) for every execution, then the call's.
-    let mut env = t.info.env.clone();
-    env.extend(body.env_vars.unwrap_or_default());
+    // The call's environment; the runtime adds the sandbox's (create's `envVars`) under it.
+    let env = body.env_vars.unwrap_or_default();
     // Without a named context, E2B's own default contexts (in the user's home).
     let implicit = body.context_id.is_none();
     let context = body.context_id.unwrap_or_else(|| {
