@@ -539,3 +539,39 @@ fn secret_environment_values_reach_the_guest_and_nothing_at_rest() {
         );
     }
 }
+
+/// E2B's surface on a server started with no `--domain`: the answers name this server as the
+/// sandbox domain (`localhost:<port>`), a request for `<port>-<id>.localhost:<port>` reaches
+/// that sandbox, and a create over capacity says so in `error_code` as E2B's API does.
+#[test]
+fn e2b_answers_name_this_server_and_capacity_has_its_error_code() {
+    let home = home();
+    let srv = Server::start(home.path(), &["--max-running", "1"]);
+    let port = srv.url.rsplit(':').next().unwrap().to_string();
+    let e2b = |body: &str| {
+        ureq::post(&format!("{}/sandboxes", srv.url))
+            .set("x-api-key", &srv.token())
+            .set("content-type", "application/json")
+            .send_string(body)
+    };
+    let created: Value = e2b(r#"{"templateID":"base"}"#)
+        .unwrap()
+        .into_json()
+        .unwrap();
+    let id = created["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(created["domain"], format!("localhost:{port}"), "{created}");
+    // get_host(49983) → 49983-<id>.localhost:<port>: envd's health through the Host route.
+    let r = ureq::get(&format!("{}/health", srv.url))
+        .set("host", &format!("49983-{id}.localhost:{port}"))
+        .call()
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    match e2b(r#"{"templateID":"base"}"#) {
+        Err(ureq::Error::Status(429, r)) => {
+            let v: Value = r.into_json().unwrap();
+            assert_eq!(v["error_code"], "sandbox_capacity_unavailable", "{v}");
+            assert_eq!(v["code"], 429);
+        }
+        other => panic!("a second sandbox over --max-running 1: {other:?}"),
+    }
+}

@@ -67,8 +67,9 @@ pub struct ServeArgs {
     pub shutdown_grace: u64,
     /// The E2B sandbox domain: requests for `Host: <port>-<id>.<DOMAIN>` go to that sandbox,
     /// `Host: api.<DOMAIN>` to the E2B control plane, and API responses name it (the SDKs'
-    /// `E2B_DOMAIN`). May carry a port (`e2b.localhost:3443`). Without it, sandbox traffic
-    /// is routed by the `E2b-Sandbox-Id` header only.
+    /// `E2B_DOMAIN`). May carry a port (`e2b.localhost:3443`). Default on a loopback
+    /// listener: `localhost:<port>`; elsewhere none (sandbox traffic is then routed by the
+    /// `E2b-Sandbox-Id` header only).
     #[arg(long, env = "EMBER_E2B_DOMAIN", value_name = "DOMAIN")]
     pub domain: Option<String>,
     /// An E2B template name and the ember template (or snapshot) it means, e.g.
@@ -101,6 +102,17 @@ pub struct ServeArgs {
     /// default 200000). Two runtimes on one host need ranges that do not overlap.
     #[arg(long, value_name = "UID")]
     pub uid_base: Option<u32>,
+}
+
+/// The E2B domain of a server given none: on a loopback listener, `localhost:<port>`, so
+/// that the SDKs' `get_host(port)` names this server (`<port>-<id>.localhost:<port>`, which
+/// the SDKs, browsers and curl resolve to loopback) rather than `e2b.app`. Elsewhere none:
+/// a name for every sandbox needs DNS that only the operator can provide (`--domain`).
+fn default_domain(listen: std::net::SocketAddr) -> Option<String> {
+    listen
+        .ip()
+        .is_loopback()
+        .then(|| format!("localhost:{}", listen.port()))
 }
 
 /// The E2B settings of the flags.
@@ -253,6 +265,10 @@ pub fn run(a: ServeArgs, node: Option<NodeStart>) -> ExitCode {
     if a.tls_listen.is_some() && e2b.domain.is_none() {
         return fail("--tls-listen needs --domain (the certificate is for *.<domain>)");
     }
+    let mut e2b = e2b;
+    if e2b.domain.is_none() {
+        e2b.domain = default_domain(a.listen);
+    }
     let opts = ServeOptions {
         listen: a.listen,
         token_file: a
@@ -326,5 +342,19 @@ pub fn run(a: ServeArgs, node: Option<NodeStart>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_loopback_server_names_itself_as_the_e2b_domain() {
+        let d = |s: &str| default_domain(s.parse().unwrap());
+        assert_eq!(d("127.0.0.1:3000").as_deref(), Some("localhost:3000"));
+        assert_eq!(d("[::1]:7070").as_deref(), Some("localhost:7070"));
+        assert_eq!(d("0.0.0.0:7070"), None);
+        assert_eq!(d("10.1.2.3:7070"), None);
     }
 }

@@ -150,6 +150,9 @@ pub struct E2bError {
     pub status: StatusCode,
     /// What failed.
     pub message: String,
+    /// A machine-readable class for the client's logic, sent as `error_code` when set
+    /// (E2B's API adds it to some errors: `sandbox_capacity_unavailable`).
+    pub error_code: Option<&'static str>,
 }
 
 impl E2bError {
@@ -158,6 +161,7 @@ impl E2bError {
         E2bError {
             status,
             message: message.into(),
+            error_code: None,
         }
     }
 
@@ -199,7 +203,11 @@ impl E2bError {
 
     /// The JSON body.
     pub fn body(&self) -> serde_json::Value {
-        serde_json::json!({"code": self.status.as_u16(), "message": self.message})
+        let mut b = serde_json::json!({"code": self.status.as_u16(), "message": self.message});
+        if let Some(c) = self.error_code {
+            b["error_code"] = c.into();
+        }
+        b
     }
 }
 
@@ -247,11 +255,18 @@ impl From<RuntimeError> for E2bError {
                 return E2bError::not_found(format!("sandbox {id} not found ({state})"));
             }
         }
-        let status = match e.class() {
+        let class = e.class();
+        let status = match class {
             ErrorClass::Capacity => StatusCode::TOO_MANY_REQUESTS,
             c => super::error::status_of(c),
         };
-        E2bError::new(status, e.to_string())
+        let mut err = E2bError::new(status, e.to_string());
+        // Capacity (this host's caps) and unavailable (a fleet with no node to take it):
+        // both "ask again later", the class E2B names `sandbox_capacity_unavailable`.
+        if matches!(class, ErrorClass::Capacity | ErrorClass::Unavailable) {
+            err.error_code = Some("sandbox_capacity_unavailable");
+        }
+        err
     }
 }
 
@@ -429,7 +444,11 @@ mod tests {
         assert_eq!(status, want, "{v}");
         assert_eq!(v["code"], json!(want.as_u16()), "{v}");
         assert!(v["message"].is_string(), "{v}");
-        assert_eq!(v.as_object().unwrap().len(), 2, "{v}");
+        let extra = v.as_object().unwrap().len() - 2;
+        assert!(
+            extra == 0 || (extra == 1 && v["error_code"].is_string()),
+            "{v}"
+        );
     }
 
     #[test]
@@ -554,6 +573,7 @@ mod tests {
         // The fake's snapshot is at capacity: 429.
         let (s, v) = send_json(&app, control("POST", &uri, r#"{}"#)).await;
         assert_e2b_error(s, &v, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(v["error_code"], "sandbox_capacity_unavailable", "{v}");
         let (s, v) = send_json(&app, control("GET", "/snapshots", "")).await;
         assert_eq!((s, v), (StatusCode::OK, json!([])));
         let (s, v) = send_json(&app, control("DELETE", "/templates/nope", "")).await;
