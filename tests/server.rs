@@ -548,16 +548,20 @@ fn e2b_answers_name_this_server_and_capacity_has_its_error_code() {
     let home = home();
     let srv = Server::start(home.path(), &["--max-running", "1"]);
     let port = srv.url.rsplit(':').next().unwrap().to_string();
-    let e2b = |body: &str| {
-        ureq::post(&format!("{}/sandboxes", srv.url))
+    // (status, body) of an E2B create.
+    let e2b = || -> (u16, Value) {
+        let r = ureq::post(&format!("{}/sandboxes", srv.url))
             .set("x-api-key", &srv.token())
             .set("content-type", "application/json")
-            .send_string(body)
+            .send_string(r#"{"templateID":"base"}"#);
+        match r {
+            Ok(r) => (r.status(), r.into_json().unwrap()),
+            Err(ureq::Error::Status(s, r)) => (s, r.into_json().unwrap()),
+            Err(e) => panic!("E2B create: {e}"),
+        }
     };
-    let created: Value = e2b(r#"{"templateID":"base"}"#)
-        .unwrap()
-        .into_json()
-        .unwrap();
+    let (status, created) = e2b();
+    assert_eq!(status, 201, "{created}");
     let id = created["sandboxID"].as_str().unwrap().to_string();
     assert_eq!(created["domain"], format!("localhost:{port}"), "{created}");
     // get_host(49983) → 49983-<id>.localhost:<port>: envd's health through the Host route.
@@ -566,12 +570,8 @@ fn e2b_answers_name_this_server_and_capacity_has_its_error_code() {
         .call()
         .unwrap();
     assert_eq!(r.status(), 204);
-    match e2b(r#"{"templateID":"base"}"#) {
-        Err(ureq::Error::Status(429, r)) => {
-            let v: Value = r.into_json().unwrap();
-            assert_eq!(v["error_code"], "sandbox_capacity_unavailable", "{v}");
-            assert_eq!(v["code"], 429);
-        }
-        other => panic!("a second sandbox over --max-running 1: {other:?}"),
-    }
+    let (status, v) = e2b();
+    assert_eq!(status, 429, "a second sandbox over --max-running 1: {v}");
+    assert_eq!(v["error_code"], "sandbox_capacity_unavailable", "{v}");
+    assert_eq!(v["code"], 429);
 }
