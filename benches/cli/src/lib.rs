@@ -6,6 +6,7 @@
 pub mod all;
 pub mod api;
 pub mod density;
+pub mod files;
 pub mod pool;
 pub mod sandbox;
 
@@ -65,6 +66,9 @@ pub enum BenchCmd {
     /// How many idle sandboxes the host holds: host memory, PSS and idle CPU per sandbox as N
     /// grows, every sandbox answering, and (with --until-failure) what stops it.
     Density(density::BenchDensityArgs),
+    /// File uploads and downloads through the API (1, 8, 64 MiB): MiB/s, the guest work per
+    /// MiB (emulated instructions, exits, faults) and the guest's own `dd` beside them.
+    Files(files::BenchFilesArgs),
     /// Warm pool of jailed VMMs: API create → vCPU in KVM_RUN with and without it, and
     /// creates/s (create → first run_code result) at 1/4/16/64 clients.
     Pool(pool::BenchPoolArgs),
@@ -405,6 +409,7 @@ pub fn main(cmd: BenchCmd) -> ExitCode {
         BenchCmd::Api(a) => api::main(a),
         BenchCmd::Density(a) => density::main(a),
         BenchCmd::Pool(a) => pool::main(a),
+        BenchCmd::Files(a) => files::main(a),
         BenchCmd::All(a) => all::main(a),
         BenchCmd::Compare(a) => all::compare_main(a),
     }
