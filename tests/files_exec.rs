@@ -186,6 +186,70 @@ fn a_big_file_goes_up_and_down_intact_with_bounded_memory() {
     );
 }
 
+/// A reader that gives `left` bytes and then fails, as a client that goes away mid-upload.
+struct CutOff {
+    left: usize,
+}
+
+impl Read for CutOff {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.left == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionReset,
+                "the client went away",
+            ));
+        }
+        let n = buf.len().min(self.left);
+        buf[..n].fill(b'n');
+        self.left -= n;
+        Ok(n)
+    }
+}
+
+/// An upload cut off mid-way leaves the target as it was (the old content, or no file) and no
+/// temporary file beside it: the agent writes beside the target and renames only a complete
+/// file onto it.
+#[test]
+fn an_upload_cut_off_midway_leaves_no_partial_file() {
+    let sb = sandbox("default");
+    sb.write_file("/workspace/kept.txt", &mut &b"old\n"[..])
+        .expect("write the old content");
+    for target in ["/workspace/kept.txt", "/workspace/new.txt"] {
+        let e = sb
+            .write_file(target, &mut CutOff { left: 3 << 20 })
+            .expect_err("an upload whose source fails");
+        assert!(!e.to_string().is_empty());
+    }
+    let mut got = Vec::new();
+    sb.read_file("/workspace/kept.txt", &mut got)
+        .expect("the old file is still there");
+    assert_eq!(got, b"old\n", "the cut-off upload replaced the file");
+    assert!(
+        sb.stat("/workspace/new.txt").is_err(),
+        "a cut-off upload left a file at its target"
+    );
+    // Its temporary file is gone too (removed when the agent sees the write end unfinished).
+    let t0 = Instant::now();
+    loop {
+        let names: Vec<String> = sb
+            .list("/workspace", 1)
+            .expect("list")
+            .into_iter()
+            .map(|e| e.path)
+            .collect();
+        if !names.iter().any(|n| n.contains(".ember-")) {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "temporary files left after a cut-off upload: {names:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (out, st) = sh(&sb, "echo still-here");
+    assert_eq!((out.as_str(), st), ("still-here\n", ExitStatus::Code(0)));
+}
+
 #[test]
 fn file_operations_and_their_errors() {
     let sb = sandbox("default");

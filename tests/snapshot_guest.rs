@@ -135,13 +135,20 @@ fn check_clone(i: usize, uds: &Path) -> String {
     // One exec per clone (each guest syscall is expensive on kvm_pvm): inherited memory
     // and disk, a clone-specific write read back, random bytes, the wall clock.
     let mine = format!("clone-{i:02}-data");
+    let now_ns = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as i128
+    };
+    let host_before = now_ns();
     let out = sh(
         &mut c,
         &format!(
             "cat /tmp/state; dd if=/dev/vdb bs=13 count=1 2>/dev/null; echo; \
              printf {mine} | dd of=/dev/vdb bs=512 seek=8 conv=fsync 2>/dev/null; \
              dd if=/dev/vdb bs=512 skip=8 count=1 2>/dev/null | head -c {n}; echo; \
-             head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; date +%s",
+             head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; date +%s%N",
             n = mine.len()
         ),
     );
@@ -151,14 +158,20 @@ fn check_clone(i: usize, uds: &Path) -> String {
     assert_eq!(lines[1], "template-disk", "clone {i}");
     assert_eq!(lines[2], mine, "clone {i}");
     assert_eq!(lines[3].len(), 64, "clone {i}: {out:?}");
-    let guest_now: i64 = lines[4].trim().parse().unwrap();
-    let host_now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs() as i64;
+    let host_after = now_ns();
+    // The guest read its clock while the host waited for the answer: after the sync it agrees
+    // with the host's within 50 ms.
+    let guest_now: i128 = lines[4].trim().parse().unwrap();
+    let slack = 50_000_000;
     assert!(
-        (guest_now - host_now).abs() < 30,
-        "clone {i}: guest clock {guest_now} vs host {host_now}"
+        guest_now >= host_before - slack && guest_now <= host_after + slack,
+        "clone {i}: guest clock {guest_now} ns, host {host_before}..{host_after} ns \
+         (off by {} ms)",
+        if guest_now < host_before {
+            (host_before - guest_now) / 1_000_000
+        } else {
+            (guest_now - host_after) / 1_000_000
+        }
     );
     lines[3].to_string()
 }
