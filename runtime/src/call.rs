@@ -43,9 +43,9 @@ pub use crate::cancel::{Cancel, CancelOnDrop};
 use crate::template::{BuildEvent, BuildOptions, Template};
 use crate::{
     ArtifactInfo, AuditFilter, AuditRecord, CreateRequest, ExposedPort, ForkRequest, FsChange,
-    ListFilter, Metrics, NetworkInfo, NetworkPolicy, OnTimeout, ProcessEnd, ProcessRecord, RunEnd,
-    Runtime, RuntimeError, SandboxInfo, SnapshotInfo, SnapshotRequest, TemplateSummary, Transition,
-    Usage,
+    ListFilter, LogKind, LogTail, Metrics, NetworkInfo, NetworkPolicy, OnTimeout, ProcessEnd,
+    ProcessRecord, RunEnd, Runtime, RuntimeError, SandboxInfo, SnapshotInfo, SnapshotRequest,
+    TemplateSummary, Transition, Usage,
 };
 
 /// One call: its arguments (the struct), its reply type and its name (as audited and timed).
@@ -259,6 +259,9 @@ calls! {
     GetMetrics "metrics" {} -> Metrics;
     /// What a running sandbox uses on the host now.
     GetUsage "usage" { id: String } -> Usage;
+    /// The last `max_bytes` of a sandbox's VMM log or serial console (host files; only
+    /// while it has a VMM).
+    GetLogTail "log_tail" { id: String, log: LogKind, max_bytes: u64 } -> LogTail;
     /// Creates a code context; with `context`, under that id (an existing one is an
     /// `exists` guest error).
     ContextCreate "context_create" {
@@ -390,6 +393,7 @@ addressed!(
     Fork,
     History,
     GetUsage,
+    GetLogTail,
     ContextCreate,
     ContextList,
     ContextRestart,
@@ -507,6 +511,9 @@ impl Runtime {
             Request::Audit(Audit { filter }) => Reply::Audit(self.audit(&filter)?),
             Request::GetMetrics(GetMetrics {}) => Reply::GetMetrics(self.metrics()),
             Request::GetUsage(GetUsage { id }) => Reply::GetUsage(self.usage(&id)?),
+            Request::GetLogTail(GetLogTail { id, log, max_bytes }) => {
+                Reply::GetLogTail(self.log_tail(&id, log, max_bytes)?)
+            }
             Request::ContextCreate(ContextCreate {
                 id,
                 language,

@@ -42,6 +42,7 @@ pub mod types;
 
 mod calls;
 mod lifecycle;
+mod logtail;
 mod network;
 pub mod pooled;
 mod usage;
@@ -54,6 +55,7 @@ use std::time::{Duration, Instant};
 pub use config::RuntimeConfig;
 pub use error::{ErrorClass, RuntimeError};
 pub use lifecycle::{KeepAlive, LifecycleHooks, ResumeVerdict};
+pub use logtail::{LogKind, LogTail, LOG_TAIL_MAX};
 pub use network::{NetworkInfo, MAX_PORTS};
 pub use types::*;
 pub use watches::relative_name;
