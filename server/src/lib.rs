@@ -128,6 +128,7 @@ struct Shared {
     e2b: Arc<e2b::E2bOptions>,
     rpc: Arc<e2b::rpc::RpcState>,
     ui: ui::session::Sessions,
+    ui_usage: ui::resources::Rings,
 }
 
 impl std::fmt::Debug for AppState {
@@ -153,6 +154,7 @@ impl AppState {
                 e2b: Arc::new(e2b),
                 rpc: Arc::new(e2b::rpc::RpcState::default()),
                 ui: ui::session::Sessions::default(),
+                ui_usage: ui::resources::Rings::default(),
             }),
         }
     }

@@ -171,12 +171,12 @@ function overviewView(view) {
   });
 }
 
-/** An SVG line chart of `samples`' keys. */
-function chart(title, series) {
+/** An SVG line chart of the keys `series` names in `pts` (room for `cap` points). */
+function chart(title, series, pts = samples, cap = SAMPLES, noteText = null, id = null) {
   const W = 400, H = 150, L = 36, B = 16;
   const s = svg('svg', { class: 'chart', viewBox: `0 0 ${W} ${H}`, role: 'img', 'aria-label': title });
   // A multiple of 4 (at least 4), so the four grid lines fall on whole numbers.
-  const max = 4 * Math.max(1, Math.ceil(Math.max(0, ...samples.flatMap((p) => series.map(([k]) => p[k]))) / 4));
+  const max = 4 * Math.max(1, Math.ceil(Math.max(0, ...pts.flatMap((p) => series.map(([k]) => p[k]))) / 4));
   for (let i = 0; i <= 4; i++) {
     const y = 6 + ((H - B - 6) * i) / 4;
     s.append(svg('line', { class: 'grid', x1: L, x2: W, y1: y, y2: y }));
@@ -184,17 +184,17 @@ function chart(title, series) {
     label.textContent = String(Math.round((max * (4 - i)) / 4));
     s.append(label);
   }
-  const x = (i) => L + ((W - L) * i) / Math.max(1, SAMPLES - 1);
+  const x = (i) => L + ((W - L) * i) / Math.max(1, cap - 1);
   const y = (v) => 6 + (H - B - 6) * (1 - v / max);
-  const off = SAMPLES - samples.length;
+  const off = cap - pts.length;
   for (const [k, cls] of series) {
-    const pts = samples.map((p, i) => `${x(off + i).toFixed(1)},${y(p[k]).toFixed(1)}`).join(' ');
-    s.append(svg('polyline', { class: cls, points: pts }));
+    const line = pts.map((p, i) => `${x(off + i).toFixed(1)},${y(p[k]).toFixed(1)}`).join(' ');
+    s.append(svg('polyline', { class: cls, points: line, 'data-points': pts.length }));
   }
   const note = svg('text', { x: L, y: H - 3 });
-  note.textContent = `last ${Math.round((SAMPLES * POLL_MS) / 60000)} min, sampled every ${POLL_MS / 1000} s`;
+  note.textContent = noteText || `last ${Math.round((cap * POLL_MS) / 60000)} min, sampled every ${POLL_MS / 1000} s`;
   s.append(note);
-  return h('div', { class: 'card' }, h('div', { class: 'l' }, title), s);
+  return h('div', { class: 'card', id }, h('div', { class: 'l' }, title), s);
 }
 
 const STATES = ['live', 'all', 'creating', 'running', 'pausing', 'paused', 'resuming', 'stopped', 'failed'];
@@ -244,15 +244,85 @@ function listView(view) {
 
 function templatesView(view) {
   const body = h('tbody', { id: 'template-rows' });
+  const name = h('input', { id: 'build-name', class: 'mono', size: 24, value: 'default', list: 'recipes', spellcheck: 'false' });
+  const recipes = h('datalist', { id: 'recipes' });
+  const rebuild = h('input', { id: 'build-rebuild', type: 'checkbox' });
+  const buildLog = h('pre', { id: 'build-log', class: 'log', hidden: true });
+  const buildState = h('span', { id: 'build-state', class: 'muted' });
+  const build = h('button', { id: 'build', class: 'primary', onclick: () => startBuild() }, 'Build');
   view.append(h('h1', {}, 'Templates'),
-    h('table', {}, h('thead', {}, h('tr', {}, ['name', 'key', 'built', 'vCPUs', 'memory', 'disk', 'snapshot'].map((c) => h('th', {}, c)))), body));
-  api('/ui/api/templates').then((list) => {
+    h('table', {}, h('thead', {}, h('tr', {}, ['name', 'key', 'built', 'vCPUs', 'memory', 'disk', 'snapshot'].map((c) => h('th', {}, c)))), body),
+    h('div', { class: 'box' }, h('h2', {}, 'Build a template'),
+      h('p', { class: 'muted' }, 'Builds the recipe (or finds it built: nothing is rebuilt unless asked). Its log streams below; a build goes on to its end even if you leave the page.'),
+      h('div', { class: 'actions' }, h('label', {}, 'Recipe ', name), recipes, h('label', {}, rebuild, ' rebuild'), build, buildState),
+      buildLog));
+  const load = () => api('/ui/api/templates').then((list) => {
     body.replaceChildren(...list.map((t) => h('tr', {},
       h('td', {}, t.name || ''), h('td', { class: 'mono' }, (t.key || '').slice(0, 16)), h('td', {}, when(t.built_at)),
       h('td', {}, t.vm.vcpus), h('td', {}, mib(t.vm.memory_mib)), h('td', {}, mib(t.vm.disk_mib)),
       h('td', {}, `${Math.round(t.snapshot_bytes / 1048576)} MiB`))));
     if (!list.length) body.append(h('tr', {}, h('td', { colspan: 7, class: 'muted' }, 'No templates built.')));
+    recipes.replaceChildren(...list.map((t) => h('option', { value: t.name || '' })));
   }).catch((e) => flash(e.message));
+  load();
+
+  // The build's NDJSON lines, shown as they arrive (fetch's body stream, read line by line).
+  async function startBuild() {
+    const recipe = name.value.trim();
+    if (!recipe) return;
+    if (rebuild.checked && !confirm(`Rebuild template ${recipe} from scratch? This can take many minutes.`)) return;
+    build.disabled = true;
+    buildLog.hidden = false;
+    buildLog.replaceChildren();
+    buildState.textContent = 'building…';
+    buildState.dataset.state = 'running';
+    const add = (text, cls) => { buildLog.append(h('span', { class: cls }, `${text}\n`)); buildLog.scrollTop = buildLog.scrollHeight; };
+    let end = 'failed';
+    try {
+      const resp = await fetch(`/ui/api/templates/${encodeURIComponent(recipe)}/build`, {
+        method: 'POST', credentials: 'same-origin',
+        headers: { 'x-ember-csrf': csrf || '', 'content-type': 'application/json' },
+        body: JSON.stringify({ rebuild: rebuild.checked }),
+      });
+      if (resp.status === 401) { showSignin(); return; }
+      if (!resp.ok) {
+        const t = await resp.text();
+        let msg = `HTTP ${resp.status}`;
+        try { msg = JSON.parse(t).error.message; } catch { /* not JSON */ }
+        add(`error: ${msg}`, 'stderr');
+      } else {
+        const reader = resp.body.getReader();
+        const dec = new TextDecoder();
+        let buf = '';
+        const take = (l) => {
+          if (!l.trim()) return;
+          let m;
+          try { m = JSON.parse(l); } catch { add(l, ''); return; }
+          if (m.type === 'step') add(`== ${m.message}`, 'step');
+          else if (m.type === 'output') add(m.text, '');
+          else if (m.type === 'up_to_date') add('(up to date: already built)', 'step');
+          else if (m.type === 'done') { end = 'done'; add(`done: ${m.template && m.template.name ? m.template.name : recipe}`, 'step'); }
+          else if (m.type === 'error') add(`error: ${m.error ? m.error.message : JSON.stringify(m)}`, 'stderr');
+          else add(l, '');
+        };
+        for (;;) {
+          const { value, done } = await reader.read();
+          if (done) break;
+          buf += dec.decode(value, { stream: true });
+          const lines = buf.split('\n');
+          buf = lines.pop();
+          lines.forEach(take);
+        }
+        take(buf);
+      }
+    } catch (e) {
+      add(`error: ${e.message}`, 'stderr');
+    }
+    buildState.textContent = end;
+    buildState.dataset.state = end;
+    build.disabled = false;
+    load();
+  }
 }
 
 // ----- one sandbox -----
@@ -338,6 +408,18 @@ function sandboxView(view, id) {
   const hist = h('tbody', { id: 'history' });
   const audit = h('tbody', { id: 'audit' });
 
+  // Resources over time: host-side samples the server keeps while this page polls.
+  const resCharts = h('div', { class: 'charts', id: 'res-charts' });
+  const resNote = h('p', { class: 'muted', id: 'res-note' });
+  // The serial console's (or the VMM log's) tail: the guest's bytes, shown as text only.
+  const logKind = h('select', { id: 'log-kind', onchange: () => { logTail.textContent = ''; refreshLog(); } },
+    h('option', { value: 'serial' }, 'serial console'), h('option', { value: 'vmm' }, 'VMM log'));
+  const logTail = h('pre', { id: 'log-tail', class: 'log' });
+  const logNote = h('span', { id: 'log-note', class: 'muted' });
+  const liveView = h('div', { class: 'box', id: 'live-view-box', hidden: true }, h('h2', {}, 'Browser live view'),
+    h('p', { class: 'muted' }, 'The sandbox\'s browser, live (screencast, clicks and keys), in a new tab.'),
+    h('a', { id: 'live-view', target: '_blank', rel: 'noopener noreferrer' }, 'Open the live view'));
+
   view.append(
     h('h1', {}, 'Sandbox ', h('span', { class: 'mono' }, id), ' ', state), meta,
     h('div', { class: 'actions' }, pause, resume, kill),
@@ -349,6 +431,9 @@ function sandboxView(view, id) {
       h('p', { class: 'muted' }, 'An interactive shell on a terminal in the sandbox; closing it (or leaving the page) ends the shell.'),
       h('div', { class: 'actions' }, openTerm, termState), termBox),
     h('div', { class: 'box' }, h('h2', {}, 'Artifacts'), collect, artifacts),
+    liveView,
+    h('div', { class: 'box' }, h('h2', {}, 'Resources over time'), resNote, resCharts),
+    h('div', { class: 'box' }, h('h2', {}, 'Log tail'), h('div', { class: 'actions' }, logKind, logNote), logTail),
     h('div', { class: 'cols' },
       h('div', {}, h('h2', {}, 'State history'), h('table', {}, h('thead', {}, h('tr', {}, ['at', 'from', 'to', 'reason'].map((c) => h('th', {}, c)))), hist)),
       h('div', {}, h('h2', {}, 'Audit trail (newest first)'), h('table', {}, h('thead', {}, h('tr', {}, ['at', 'call', 'outcome', 'ms'].map((c) => h('th', {}, c)))), audit))),
@@ -414,8 +499,42 @@ function sandboxView(view, id) {
     refresh().catch(() => {});
   }
 
+  async function refreshUsage() {
+    const u = await api(`${base}/usage`);
+    const pts = u.samples.map((x) => ({ cpu: x.cpu_used_pct, mem: Math.round(x.mem_used_bytes / 1048576), disk: Math.round(x.disk_used_bytes / 1048576) }));
+    const every = `last ${pts.length} samples (one per ${POLL_MS / 1000} s while this page is open)`;
+    resCharts.replaceChildren(
+      chart('VMM CPU, % of its vCPUs', [['cpu', 's-running']], pts, u.max_samples, every, 'res-cpu'),
+      chart('Host memory of the VMM, MiB (green); disk layer, MiB (blue)', [['mem', 's-mem'], ['disk', 's-paused']], pts, u.max_samples, every, 'res-mem'),
+    );
+    resNote.textContent = u.idle ? `Not sampled now: ${u.idle}` : '';
+  }
+
+  async function refreshLog() {
+    const kind = logKind.value;
+    try {
+      const t = await api(`${base}/log?kind=${kind}`);
+      if (kind !== logKind.value) return;
+      const atEnd = logTail.scrollTop + logTail.clientHeight >= logTail.scrollHeight - 4;
+      // Control characters (escape sequences of the guest's terminal output) shown as '·'.
+      logTail.textContent = t.text.replace(/[\u0000-\u0008\u000b-\u001f\u007f]/g, '·');
+      logNote.textContent = t.size ? `${t.cut ? 'the last' : 'all'} ${t.text.length} of ${t.size} bytes` : 'empty so far (0 bytes)';
+      if (atEnd) logTail.scrollTop = logTail.scrollHeight;
+    } catch (e) {
+      if (e.status === 401) throw e;
+      logNote.textContent = e.message;
+    }
+  }
+
   async function refresh() {
     const d = await api(base);
+    const live = ['creating', 'running', 'pausing', 'resuming'].includes(d.sandbox.state);
+    await Promise.all([
+      refreshUsage().catch((e) => { resNote.textContent = e.message; }),
+      live ? refreshLog() : Promise.resolve(logNote.textContent = 'no VMM now (paused or ended): no log'),
+    ]);
+    liveView.hidden = !d.view_url;
+    if (d.view_url) $('#live-view').setAttribute('href', d.view_url);
     const s = d.sandbox;
     state.replaceChildren(badge(s.state));
     state.dataset.state = s.state;

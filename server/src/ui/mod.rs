@@ -12,6 +12,7 @@
 //! The server's bearer-token check leaves `/ui` alone ([`is_ui_path`]); the API routes still
 //! want the bearer token, never the cookie.
 
+pub mod resources;
 pub mod session;
 pub mod terminal;
 
@@ -24,7 +25,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Form, Json, Router};
 use ember_runtime::call::{self, EventKind, ExecRequest, Io, RunCodeRequest};
-use ember_runtime::{AuditFilter, ListFilter, SandboxInfo, State as SandboxState};
+use ember_runtime::template::BuildEvent;
+use ember_runtime::{AuditFilter, ListFilter, LogKind, SandboxInfo, State as SandboxState};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -44,6 +46,10 @@ const ADDON_FIT_JS: &str = include_str!(concat!(env!("OUT_DIR"), "/vendor/addon-
 pub const PAGE_MAX: usize = 50;
 /// Output kept from one cell or command, bytes (more is dropped and said so).
 pub const OUTPUT_CAP: usize = 4 << 20;
+/// Bytes of a log's tail the sandbox page shows.
+pub const LOG_TAIL_BYTES: u64 = 64 << 10;
+/// The template whose sandboxes have a browser and its live view (`server/src/browser.rs`).
+pub const BROWSER_TEMPLATE: &str = "browser";
 /// Time limit of one cell or command from the dashboard.
 pub const CALL_TIMEOUT_MS: u64 = 120_000;
 
@@ -70,8 +76,11 @@ pub fn routes(router: Router<AppState>, st: AppState) -> Router<AppState> {
         .route("/ui/logout", post(logout))
         .route("/ui/api/overview", get(overview))
         .route("/ui/api/templates", get(templates))
+        .route("/ui/api/templates/{name}/build", post(build_template))
         .route("/ui/api/sandboxes", get(sandboxes))
         .route("/ui/api/sandboxes/{id}", get(sandbox))
+        .route("/ui/api/sandboxes/{id}/usage", get(usage))
+        .route("/ui/api/sandboxes/{id}/log", get(log_tail))
         .route("/ui/api/sandboxes/{id}/pause", post(pause))
         .route("/ui/api/sandboxes/{id}/resume", post(resume))
         .route("/ui/api/sandboxes/{id}/kill", post(kill))
@@ -384,8 +393,12 @@ async fn sandbox(
     State(st): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    // The browser's live view takes the sandbox's own token (never the server's) in its URL.
+    let view_token = super::ports::access_token(&st, &id);
     st.call(move |b| {
         let info = b.call(call::Get { id: id.clone() }, Io::none())?;
+        let view_url = (info.template.as_deref() == Some(BROWSER_TEMPLATE))
+            .then(|| format!("/v1/sandboxes/{id}/view?token={view_token}"));
         let history = b.call(call::History { id: id.clone() }, Io::none())?;
         let audit = b.call(
             call::Audit {
@@ -403,10 +416,111 @@ async fn sandbox(
             "history": history,
             "audit": audit,
             "artifacts": artifacts,
+            "view_url": view_url,
         }))
     })
     .await
     .map(Json)
+}
+
+/// `POST /ui/api/templates/{name}/build` (body `{rebuild?}`): builds the template (a
+/// `build_template` call; a cached one is found, not rebuilt) and streams its progress as
+/// NDJSON lines, as `POST /v1/templates/{name}/build` does: `step`, `output`, `up_to_date`,
+/// then `done` or `error`.
+async fn build_template(
+    State(st): State<AppState>,
+    Path(name): Path<String>,
+    ApiJson(body): ApiJson<BuildBody>,
+) -> Response {
+    let b = st.backend();
+    stream::ndjson(
+        move |emit| {
+            let t = b.call(
+                call::BuildTemplate {
+                    name,
+                    rebuild: body.rebuild,
+                },
+                Io::progress(&mut |ev| {
+                    let v = match ev {
+                        BuildEvent::Step(s) => json!({"type": "step", "message": s}),
+                        BuildEvent::Output(s) => json!({"type": "output", "text": s}),
+                        BuildEvent::UpToDate => json!({"type": "up_to_date"}),
+                    };
+                    // A build runs to its end (and is cached) even when the page went away.
+                    let _ = emit(stream::line(&v));
+                }),
+            )?;
+            Ok(json!({"type": "done", "template": t}))
+        },
+        None,
+    )
+    .await
+}
+
+/// A template build's options.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BuildBody {
+    #[serde(default)]
+    rebuild: bool,
+}
+
+/// `GET /ui/api/sandboxes/{id}/usage`: the sandbox's resource samples kept here
+/// ([`resources`]), after taking a new one when one is due. A sandbox that is not running
+/// has no usage now: its samples so far and why (`idle`).
+async fn usage(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let mut idle = None;
+    if st.inner.ui_usage.claim(&id, Instant::now()) {
+        let key = id.clone();
+        match st
+            .call(move |b| b.call(call::GetUsage { id: key }, Io::none()))
+            .await
+        {
+            Ok(u) => st.inner.ui_usage.push(&id, u),
+            Err(e) if e.status == StatusCode::CONFLICT => idle = Some(e.message),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(Json(json!({
+        "samples": st.inner.ui_usage.samples(&id),
+        "max_samples": resources::MAX_SAMPLES,
+        "idle": idle,
+    })))
+}
+
+/// `?kind=` of a log tail: `serial` (default) or `vmm`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LogQuery {
+    #[serde(default)]
+    kind: Option<LogKind>,
+}
+
+/// `GET /ui/api/sandboxes/{id}/log?kind=serial|vmm`: the last [`LOG_TAIL_BYTES`] of the
+/// sandbox's serial console or VMM log (the guest's bytes as text: the page shows them as
+/// text only).
+async fn log_tail(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    Query(q): Query<LogQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let log = q.kind.unwrap_or(LogKind::Serial);
+    let t = st
+        .call(move |b| {
+            b.call(
+                call::GetLogTail {
+                    id,
+                    log,
+                    max_bytes: LOG_TAIL_BYTES,
+                },
+                Io::none(),
+            )
+        })
+        .await?;
+    Ok(Json(json!(t)))
 }
 
 async fn pause(
@@ -850,6 +964,44 @@ mod tests {
         assert!(h["set-cookie"].to_str().unwrap().contains("Max-Age=0"));
         let (s, _, _) = send(&app, ui_req("GET", "/ui/api/session", Some(&id), None)).await;
         assert_eq!(s, StatusCode::UNAUTHORIZED);
+    }
+
+    #[tokio::test]
+    async fn template_build_streams_its_log_and_errors_behind_csrf() {
+        use crate::tests::{send, Fake, TOKEN};
+        let st = AppState::new(std::sync::Arc::new(Fake::default()), TOKEN.into());
+        let app = crate::router(st.clone());
+        let s = st.inner.ui.sign_in(TOKEN, TOKEN, Instant::now()).unwrap();
+        let build = |name: &str, csrf: Option<&str>| {
+            ui_req(
+                "POST",
+                &format!("/ui/api/templates/{name}/build"),
+                Some(&s.id),
+                csrf,
+            )
+        };
+        let (status, _, _) = send(&app, build("default", None)).await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        let lines = |body: &[u8]| -> Vec<Value> {
+            String::from_utf8_lossy(body)
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect()
+        };
+        let (status, _, body) = send(&app, build("default", Some(&s.csrf))).await;
+        assert_eq!(status, StatusCode::OK);
+        let got = lines(&body);
+        assert_eq!(got[0]["type"], "step", "{got:?}");
+        assert_eq!(got.last().unwrap()["type"], "done", "{got:?}");
+        assert_eq!(got.last().unwrap()["template"]["name"], "default");
+        // A failing build: its progress, then the error as the last line.
+        let (_, _, body) = send(&app, build("broken", Some(&s.csrf))).await;
+        let got = lines(&body);
+        assert_eq!(got.last().unwrap()["type"], "error", "{got:?}");
+        assert!(got.last().unwrap()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("boom"));
     }
 
     #[test]
