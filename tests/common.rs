@@ -541,3 +541,148 @@ pub fn run_code(
         .unwrap_or_else(|e| panic!("run_code {src:?} in {id}: {e}"));
     (end.status, out, text)
 }
+
+/// A running `ember serve` on its own `$EMBER_HOME` (this build's VMM and jailer), its output
+/// in `<home>/serve.log`: the server the HTTP-level suites (`e2b`, `mcp`, `ui`) drive. With
+/// a TLS port, it also listens there with `--domain e2b.localhost:<port>` (the E2B SDKs'
+/// sandbox URLs). Dropping it kills the sandboxes a failed run left, then stops it.
+#[derive(Debug)]
+pub struct Serve {
+    /// The `ember serve` process.
+    pub child: std::process::Child,
+    /// Its `$EMBER_HOME`.
+    pub home: std::path::PathBuf,
+    /// `http://127.0.0.1:<port>`.
+    pub url: String,
+    /// The TLS listener's port, when it has one.
+    pub tls_port: Option<u16>,
+}
+
+/// A port free on loopback now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+impl Serve {
+    /// Starts it on a free port (and a free TLS port when `tls`) and waits until it answers.
+    pub fn start(home: &std::path::Path, tls: bool) -> Serve {
+        let port = free_port();
+        let tls_port = tls.then(free_port);
+        let mut s = Serve {
+            child: Serve::spawn(home, port, tls_port),
+            home: home.to_path_buf(),
+            url: format!("http://127.0.0.1:{port}"),
+            tls_port,
+        };
+        s.wait_ready();
+        s
+    }
+
+    fn spawn(home: &std::path::Path, port: u16, tls_port: Option<u16>) -> std::process::Child {
+        use std::process::Stdio;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(home.join("serve.log"))
+            .expect("serve.log");
+        let mut cmd = Command::new(bin("ember"));
+        cmd.args(["serve", "--listen", &format!("127.0.0.1:{port}")]);
+        if let Some(t) = tls_port {
+            cmd.args(["--tls-listen", &format!("127.0.0.1:{t}")])
+                .args(["--domain", &format!("e2b.localhost:{t}")]);
+        }
+        cmd.env("EMBER_HOME", home)
+            .env("EMBER_VMM", bin("ember-vmm"))
+            .env("EMBER_JAILER", bin("ember-jailer"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("serve.log"))
+            .stderr(log)
+            .spawn()
+            .expect("start ember serve")
+    }
+
+    /// Waits (at most 60 s) until `/healthz` answers and the TLS port takes connections.
+    pub fn wait_ready(&mut self) {
+        let t0 = std::time::Instant::now();
+        loop {
+            let plain = ureq::get(&format!("{}/healthz", self.url)).call().is_ok();
+            let tls = self
+                .tls_port
+                .is_none_or(|p| std::net::TcpStream::connect(("127.0.0.1", p)).is_ok());
+            if plain && tls {
+                return;
+            }
+            if let Ok(Some(st)) = self.child.try_wait() {
+                panic!("ember serve exited ({st}):\n{}", self.log_tail(100));
+            }
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(60),
+                "ember serve not up after 60 s (plain {plain}, TLS {tls}):\n{}",
+                self.log_tail(100)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
+    /// Stops it gracefully (SIGTERM: its sandboxes keep running; it must exit 0) and starts
+    /// it again on the same home and ports.
+    pub fn restart(&mut self) {
+        // SAFETY: kill(2) with the server's pid and SIGTERM; no memory is involved.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let st = self.child.wait().expect("wait for ember serve");
+        assert!(
+            st.success(),
+            "ember serve stopped with {st}:\n{}",
+            self.log_tail(50)
+        );
+        let port: u16 = self
+            .url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("the server's port");
+        self.child = Serve::spawn(&self.home, port, self.tls_port);
+        self.wait_ready();
+    }
+
+    /// Its bearer token.
+    pub fn token(&self) -> String {
+        std::fs::read_to_string(self.home.join("token"))
+            .expect("the server's token")
+            .trim()
+            .to_string()
+    }
+
+    /// The last `n` lines of its log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let log = std::fs::read_to_string(self.home.join("serve.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        // The scripts kill what they made; this catches what a failed run left.
+        let c = ember_server::client::Client::new(&self.url, Some(self.token()));
+        if let Ok(list) = c.list(true, None, &Default::default()) {
+            for s in list.iter().filter(|s| !s.state.is_final()) {
+                let _ = c.kill(&s.id);
+            }
+        }
+        // SAFETY: kill(2) with the server's pid and SIGTERM; no memory is involved.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+/// The first 16 hex digits of `file`'s SHA-256 (the key of a venv built from it).
+pub fn hash16(file: &std::path::Path) -> String {
+    use sha2::Digest;
+    let data = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    let h = sha2::Sha256::digest(&data);
+    h.iter().map(|b| format!("{b:02x}")).collect::<String>()[..16].to_string()
+}

@@ -54,10 +54,10 @@
 //! `kill()`, `isRunning()`, `Sandbox.kill(unknown id)`.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ember_tests::{bin, template};
+use ember_tests::{bin, hash16, template, Serve};
 
 /// The checks run again over the TLS/Host route (a subset: the route, not the features, is
 /// what differs).
@@ -65,145 +65,15 @@ const TLS_CHECKS: &str = "create,run_code_state,run_code_plot,run_code_error,env
 commands_run,commands_exit_code,commands_background,commands_stdin,files_basic,files_watch_dir,\
 set_timeout_get_info,list_with_metadata,connect,pause_resume,kill";
 
-/// A running `ember serve` with the plain and the TLS listener.
-struct Server {
-    child: Child,
-    home: PathBuf,
-    url: String,
-    tls_port: u16,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind a free port")
-        .local_addr()
-        .expect("local address")
-        .port()
-}
-
-impl Server {
-    fn start(home: &Path) -> Server {
-        let (port, tls_port) = (free_port(), free_port());
-        let child = Server::spawn(home, port, tls_port, None);
-        let mut s = Server {
-            child,
-            home: home.to_path_buf(),
-            url: format!("http://127.0.0.1:{port}"),
-            tls_port,
-        };
-        s.wait_ready();
-        s
-    }
-
-    fn spawn(home: &Path, port: u16, tls_port: u16, log_name: Option<&str>) -> std::process::Child {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(home.join(log_name.unwrap_or("serve.log")))
-            .expect("serve.log");
-        let listen = format!("127.0.0.1:{port}");
-        let tls_listen = format!("127.0.0.1:{tls_port}");
-        let domain = format!("e2b.localhost:{tls_port}");
-        Command::new(bin("ember"))
-            .args(["serve", "--listen", &listen])
-            .args(["--tls-listen", &tls_listen, "--domain", &domain])
-            .env("EMBER_HOME", home)
-            .env("EMBER_VMM", bin("ember-vmm"))
-            .env("EMBER_JAILER", bin("ember-jailer"))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("start ember serve")
-    }
-
-    fn wait_ready(&mut self) {
-        let tls_listen = format!("127.0.0.1:{}", self.tls_port);
-        let t0 = Instant::now();
-        loop {
-            let plain = ureq::get(&format!("{}/healthz", self.url)).call().is_ok();
-            let tls = std::net::TcpStream::connect(&tls_listen).is_ok();
-            if plain && tls {
-                return;
-            }
-            if let Ok(Some(st)) = self.child.try_wait() {
-                panic!("ember serve exited ({st}):\n{}", self.log_tail(100));
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "ember serve not up after 60 s (plain {plain}, TLS {tls}):\n{}",
-                self.log_tail(100)
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Stops the server gracefully (SIGTERM: its sandboxes keep running) and starts it again
-    /// on the same home and ports.
-    fn restart(&mut self) {
-        // SAFETY: kill(2) with the server's pid and SIGTERM; no memory is involved.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let st = self.child.wait().expect("wait for ember serve");
-        assert!(
-            st.success(),
-            "ember serve stopped with {st}:\n{}",
-            self.log_tail(50)
-        );
-        let port: u16 = self
-            .url
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse().ok())
-            .expect("port");
-        self.child = Server::spawn(&self.home, port, self.tls_port, None);
-        self.wait_ready();
-    }
-
-    fn token(&self) -> String {
-        std::fs::read_to_string(self.home.join("token"))
-            .expect("the server's token")
-            .trim()
-            .to_string()
-    }
-
-    fn domain(&self) -> String {
-        format!("e2b.localhost:{}", self.tls_port)
-    }
-
-    /// The last `n` lines of the server's log.
-    fn log_tail(&self, n: usize) -> String {
-        let log = std::fs::read_to_string(self.home.join("serve.log")).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        // The scripts kill what they made; this catches what a crashed script left.
-        let c = ember_server::client::Client::new(&self.url, Some(self.token()));
-        if let Ok(list) = c.list(true, None, &Default::default()) {
-            for s in list.iter().filter(|s| !s.state.is_final()) {
-                let _ = c.kill(&s.id);
-            }
-        }
-        // SAFETY: kill(2) with the server's pid and SIGTERM; no memory is involved.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let _ = self.child.wait();
-    }
-}
-
 /// Where the SDKs are, or why they are not usable.
 struct Sdks {
     python: Result<PathBuf, String>,
     node_modules: Result<PathBuf, String>,
 }
 
-fn hash16(file: &Path) -> String {
-    use sha2::Digest;
-    let data = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-    let h = sha2::Sha256::digest(&data);
-    h.iter().map(|b| format!("{b:02x}")).collect::<String>()[..16].to_string()
+/// The E2B domain the server's TLS listener answers for.
+fn domain(srv: &Serve) -> String {
+    format!("e2b.localhost:{}", srv.tls_port.expect("a TLS listener"))
 }
 
 fn e2b_dir() -> PathBuf {
@@ -422,12 +292,12 @@ fn e2b_sdks_work_unchanged_against_ember_serve() {
         .prefix("ember-e2b-test-")
         .tempdir()
         .expect("temp home");
-    let srv = Server::start(home.path());
+    let srv = Serve::start(home.path(), true);
     let token = srv.token();
 
     // The CA bundle for SSL_CERT_FILE, from the same files the server's TLS listener uses.
     let init = Command::new(bin("ember"))
-        .args(["tls", "init", "--domain", &srv.domain()])
+        .args(["tls", "init", "--domain", &domain(&srv)])
         .env("EMBER_HOME", home.path())
         .output()
         .expect("run ember tls init");
@@ -455,7 +325,7 @@ fn e2b_sdks_work_unchanged_against_ember_serve() {
     ];
     let tls_env = vec![
         ("E2B_API_KEY", token.clone()),
-        ("E2B_DOMAIN", srv.domain()),
+        ("E2B_DOMAIN", domain(&srv)),
         ("SSL_CERT_FILE", bundle.display().to_string()),
     ];
     let mut runs = Vec::new();
@@ -545,7 +415,7 @@ fn e2b_process_tag_attach_and_watcher_survive_a_server_restart() {
         .prefix("ember-e2b-restart-")
         .tempdir()
         .expect("temp home");
-    let mut srv = Server::start(home.path());
+    let mut srv = Serve::start(home.path(), true);
     let env = vec![
         ("E2B_API_KEY", srv.token()),
         ("E2B_API_URL", srv.url.clone()),

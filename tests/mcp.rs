@@ -19,92 +19,13 @@
 //! it otherwise (`ember_tests::skip`).
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ember_tests::{bin, template};
+use ember_tests::{bin, hash16, template, Serve};
 
 /// What the whole test may take (the script's own part: ~30 s on a kvm_pvm host).
 const LIMIT: Duration = Duration::from_secs(90);
-
-struct Server {
-    child: Child,
-    home: PathBuf,
-    url: String,
-}
-
-impl Server {
-    fn start(home: &Path) -> Server {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let log = std::fs::File::create(home.join("serve.log")).expect("serve.log");
-        let child = Command::new(bin("ember"))
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-            .env("EMBER_HOME", home)
-            .env("EMBER_VMM", bin("ember-vmm"))
-            .env("EMBER_JAILER", bin("ember-jailer"))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("start ember serve");
-        let mut s = Server {
-            child,
-            home: home.to_path_buf(),
-            url: format!("http://127.0.0.1:{port}"),
-        };
-        let t0 = Instant::now();
-        while ureq::get(&format!("{}/healthz", s.url)).call().is_err() {
-            if let Ok(Some(st)) = s.child.try_wait() {
-                panic!("ember serve exited ({st}):\n{}", s.log_tail(100));
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "ember serve not up after 60 s:\n{}",
-                s.log_tail(100)
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        s
-    }
-
-    fn token(&self) -> String {
-        std::fs::read_to_string(self.home.join("token"))
-            .expect("the server's token")
-            .trim()
-            .to_string()
-    }
-
-    fn log_tail(&self, n: usize) -> String {
-        let log = std::fs::read_to_string(self.home.join("serve.log")).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        // The script kills what it made; this catches what a failed run left.
-        let c = ember_server::client::Client::new(&self.url, Some(self.token()));
-        if let Ok(list) = c.list(true, None, &Default::default()) {
-            for s in list.iter().filter(|s| !s.state.is_final()) {
-                let _ = c.kill(&s.id);
-            }
-        }
-        // SAFETY: kill(2) with the server's pid and SIGTERM; no memory is involved.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let _ = self.child.wait();
-    }
-}
-
-fn hash16(file: &Path) -> String {
-    use sha2::Digest;
-    let data = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-    let h = sha2::Sha256::digest(&data);
-    h.iter().map(|b| format!("{b:02x}")).collect::<String>()[..16].to_string()
-}
 
 fn mcp_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("mcp")
@@ -151,7 +72,7 @@ fn mcp_sdk_drives_ember_over_stdio_and_http() {
         .prefix("ember-mcp-test-")
         .tempdir()
         .expect("temp home");
-    let srv = Server::start(home.path());
+    let srv = Serve::start(home.path(), false);
     let t0 = Instant::now();
     let mut child = Command::new(&python)
         .arg(mcp_dir().join("test_mcp.py"))

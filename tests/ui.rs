@@ -14,94 +14,61 @@
 //! prints the script's figures (page weight, first paint of the overview, list update).
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ember_tests::{bin, decode_png, template};
+use ember_tests::{decode_png, hash16, template, Serve};
 
 /// What the script may take.
-const LIMIT: Duration = Duration::from_secs(90);
+const LIMIT: Duration = Duration::from_secs(100);
 /// The pages screenshotted; each must show more distinct colours than [`MIN_COLOURS`].
 const PAGES: [&str; 5] = ["signin", "overview", "sandboxes", "sandbox", "templates"];
 const MIN_COLOURS: usize = 16;
 
-struct Server {
-    child: Child,
-    home: PathBuf,
-    url: String,
-}
+/// Ended sandboxes put in the store for the list's paging check, of template [`SEEDED_TEMPLATE`].
+const SEEDED: usize = 1000;
+const SEEDED_TEMPLATE: &str = "seeded-for-paging";
 
-impl Server {
-    fn start(home: &Path) -> Server {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let log = std::fs::File::create(home.join("serve.log")).expect("serve.log");
-        let child = Command::new(bin("ember"))
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-            .env("EMBER_HOME", home)
-            .env("EMBER_VMM", bin("ember-vmm"))
-            .env("EMBER_JAILER", bin("ember-jailer"))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("start ember serve");
-        let mut s = Server {
-            child,
-            home: home.to_path_buf(),
-            url: format!("http://127.0.0.1:{port}"),
+/// `n` stopped sandboxes of [`SEEDED_TEMPLATE`] in `home`'s store (as the runtime writes them:
+/// a row and its transitions).
+fn seed_ended_sandboxes(home: &Path, n: usize) {
+    use ember_runtime::clock::now_ms;
+    use ember_runtime::store::{SandboxRow, Store};
+    use ember_runtime::{OnTimeout, Resources, State};
+    let store = Store::open(&home.join("ember.db")).expect("the test home's store");
+    let now = now_ms();
+    for i in 0..n {
+        let row = SandboxRow {
+            id: format!("5eed{i:012x}"),
+            template: Some(SEEDED_TEMPLATE.into()),
+            snapshot: None,
+            forked_from: None,
+            source_dir: "/nonexistent".into(),
+            state: State::Stopped,
+            reason: Some("seeded by tests/ui.rs".into()),
+            created_ms: now - (n - i) as i64 * 1000,
+            ends_ms: None,
+            max_until_ms: None,
+            ended_ms: Some(now),
+            on_timeout: OnTimeout::Kill,
+            timeout_ms: 60_000,
+            resources: Resources {
+                vcpus: 1,
+                memory_mib: 256,
+                ..Default::default()
+            },
+            metadata: Default::default(),
+            env: Default::default(),
+            outputs: "/workspace/outputs".into(),
+            uid: None,
+            jail_id: None,
+            pid: None,
+            pause_dir: None,
+            start_ms: None,
+            network: Default::default(),
         };
-        let t0 = Instant::now();
-        while ureq::get(&format!("{}/healthz", s.url)).call().is_err() {
-            if let Ok(Some(st)) = s.child.try_wait() {
-                panic!("ember serve exited ({st}):\n{}", s.log_tail(100));
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "ember serve not up after 60 s:\n{}",
-                s.log_tail(100)
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        s
+        store.insert_sandbox(&row).expect("insert a seeded sandbox");
     }
-
-    fn token(&self) -> String {
-        std::fs::read_to_string(self.home.join("token"))
-            .expect("the server's token")
-            .trim()
-            .to_string()
-    }
-
-    fn log_tail(&self, n: usize) -> String {
-        let log = std::fs::read_to_string(self.home.join("serve.log")).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        // The script kills its sandbox; this catches what a failed run left.
-        let c = ember_server::client::Client::new(&self.url, Some(self.token()));
-        if let Ok(list) = c.list(true, None, &Default::default()) {
-            for s in list.iter().filter(|s| !s.state.is_final()) {
-                let _ = c.kill(&s.id);
-            }
-        }
-        // SAFETY: kill(2) with the server's pid and SIGTERM; no memory is involved.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let _ = self.child.wait();
-    }
-}
-
-fn hash16(file: &Path) -> String {
-    use sha2::Digest;
-    let data = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-    let h = sha2::Sha256::digest(&data);
-    h.iter().map(|b| format!("{b:02x}")).collect::<String>()[..16].to_string()
 }
 
 /// Playwright's python and the host's Chromium, or what is missing.
@@ -151,6 +118,7 @@ fn dashboard_signs_in_lists_runs_cells_and_commands_and_guards_actions() {
             return;
         }
     };
+    template("default"); // the build the templates page asks for: found in the cache
     template("python-data");
     let home = tempfile::Builder::new()
         .prefix("ember-ui-test-")
@@ -161,7 +129,10 @@ fn dashboard_signs_in_lists_runs_cells_and_commands_and_guards_actions() {
         .map(PathBuf::from)
         .unwrap_or_else(|| home.path().join("shots"));
     std::fs::create_dir_all(&shots).expect("shots dir");
-    let srv = Server::start(home.path());
+    // The list at scale: rows of ended sandboxes put in the store before the server opens
+    // it (no VM behind them), which the script pages through.
+    seed_ended_sandboxes(home.path(), SEEDED);
+    let srv = Serve::start(home.path(), false);
     let t0 = Instant::now();
     let mut child = Command::new(&python)
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("ui/test_ui.py"))
@@ -170,6 +141,8 @@ fn dashboard_signs_in_lists_runs_cells_and_commands_and_guards_actions() {
         .env("HOST_CHROMIUM", &chromium)
         .env("UI_SHOTS", &shots)
         .env("UI_TEMPLATE", "python-data")
+        .env("UI_SEEDED", SEEDED.to_string())
+        .env("UI_SEEDED_TEMPLATE", SEEDED_TEMPLATE)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -6,10 +6,14 @@ Chromium. Run by tests/ui.rs, which starts the server and passes:
   HOST_CHROMIUM  the Chromium binary
   UI_SHOTS       a directory for one screenshot per page (tests/ui.rs checks they are not blank)
   UI_TEMPLATE    the template with pandas (python-data)
+  UI_SEEDED, UI_SEEDED_TEMPLATE
+                 how many ended sandboxes of which template tests/ui.rs put in the store
+                 (the list's paging at scale)
 
 Prints figures (page weight, first paint, list update latency) and `all passed` at the end.
 """
 
+import gzip
 import json
 import os
 import socket
@@ -24,6 +28,8 @@ TOKEN = os.environ["EMBER_TOKEN"]
 CHROMIUM = os.environ["HOST_CHROMIUM"]
 SHOTS = os.environ["UI_SHOTS"]
 TEMPLATE = os.environ.get("UI_TEMPLATE", "python-data")
+SEEDED = int(os.environ.get("UI_SEEDED", "0"))
+SEEDED_TEMPLATE = os.environ.get("UI_SEEDED_TEMPLATE", "")
 T0 = time.monotonic()
 
 
@@ -89,11 +95,18 @@ def shot(page, name):
 
 def main():
     # Page weight: what a first visit downloads (no compression, nothing cached).
-    weight = {p: len(urllib.request.urlopen(URL + p).read()) for p in ("/ui/", "/ui/app.js", "/ui/app.css")}
-    print(f"FIGURE page_weight_bytes={sum(weight.values())} {weight}")
-    vendor = {p: len(urllib.request.urlopen(URL + p).read())
-              for p in ("/ui/vendor/xterm.js", "/ui/vendor/addon-fit.js", "/ui/vendor/xterm.css")}
-    print(f"FIGURE vendor_weight_bytes={sum(vendor.values())} {vendor}")
+    # The server sends them uncompressed; the gzip figure (level 9) is what a compressing
+    # proxy in front would send. No fonts: the page uses the system's.
+    bodies = {p: urllib.request.urlopen(URL + p).read() for p in ("/ui/", "/ui/app.js", "/ui/app.css")}
+    weight = {p: len(b) for p, b in bodies.items()}
+    gz = sum(len(gzip.compress(b, 9)) for b in bodies.values())
+    print(f"FIGURE page_weight_bytes={sum(weight.values())} gzip={gz} {weight}")
+    vbodies = {p: urllib.request.urlopen(URL + p).read()
+               for p in ("/ui/vendor/xterm.js", "/ui/vendor/addon-fit.js", "/ui/vendor/xterm.css")}
+    vendor = {p: len(b) for p, b in vbodies.items()}
+    vgz = sum(len(gzip.compress(b, 9)) for b in vbodies.values())
+    print(f"FIGURE vendor_weight_bytes={sum(vendor.values())} gzip={vgz} {vendor}")
+    print(f"FIGURE total_weight_bytes={sum(weight.values()) + sum(vendor.values())} gzip={gz + vgz}")
 
     # Without the session cookie, data and actions are refused before any call.
     for method, path in [("GET", "/ui/api/overview"), ("GET", "/ui/api/sandboxes"),
@@ -172,6 +185,32 @@ def main():
         shot(page, "sandboxes")
         log(f"sandbox {sid} listed; filters work")
 
+        # ----- the list at scale: SEEDED ended sandboxes, paged on the server
+        if SEEDED:
+            pages = -(-SEEDED // 50)
+            page.select_option("#f-state", "all")
+            page.select_option("#f-template", SEEDED_TEMPLATE)
+            info = page.locator("#page-info")
+            expect(info).to_contain_text(f"page 1 of {pages} · {SEEDED} sandboxes")
+            assert page.locator("#sandbox-rows tr").count() == 50
+            first = page.locator("#sandbox-rows tr").first.get_attribute("data-id")
+            page.click("#next")
+            expect(info).to_contain_text(f"page 2 of {pages}")
+            assert page.locator("#sandbox-rows tr").count() == 50
+            assert page.locator("#sandbox-rows tr").first.get_attribute("data-id") != first
+            # The whole page holds one page of rows, not one per sandbox.
+            assert page.locator("tr[data-id]").count() == 50
+            r = page.request.get(f"{URL}/ui/api/sandboxes?state=all&template={SEEDED_TEMPLATE}&page={pages - 1}")
+            last = r.json()
+            assert last["total"] == SEEDED and last["page"] == pages - 1, last
+            assert len(last["items"]) == SEEDED - 50 * (pages - 1), len(last["items"])
+            t = time.monotonic()
+            r = page.request.get(f"{URL}/ui/api/sandboxes?state=all&page=0")
+            print(f"FIGURE list_page_ms={(time.monotonic() - t) * 1000:.0f} (one page of {r.json()['total']} sandboxes)")
+            log(f"{SEEDED} ended sandboxes: {pages} pages of 50 rows")
+            page.select_option("#f-state", "live")
+            page.select_option("#f-template", "")
+
         # ----- the sandbox page
         row.locator("a").click()
         state = page.locator("#sb-state")
@@ -223,6 +262,40 @@ def main():
         assert got == b"artifact-body\n", got
         assert dl.value.suggested_filename == "report.txt", dl.value.suggested_filename
         log("artifact downloaded")
+
+        # ----- resources over time: samples the server takes while the page polls
+        page.wait_for_function(
+            "() => Number(document.querySelector('#res-cpu polyline')?.dataset.points || 0) >= 3", timeout=30000)
+        r = page.request.get(f"{URL}/ui/api/sandboxes/{sid}/usage").json()
+        assert len(r["samples"]) >= 3 and r["idle"] is None, r
+        assert all(x["mem_used_bytes"] > 0 for x in r["samples"]), r["samples"]
+        assert r["samples"][-1]["at_ms"] > r["samples"][0]["at_ms"], r["samples"]
+        pts = page.locator("#res-mem polyline").first.get_attribute("points").split()
+        assert len(pts) >= 3 and len({p.split(",")[1] for p in pts}) >= 1, pts
+        log(f"resources: {len(r['samples'])} samples, memory {r['samples'][-1]['mem_used_bytes'] >> 20} MiB")
+
+        # ----- the serial console's tail shows a line the guest wrote to it (as text)
+        marker = "ui-serial-<b>marker</b>-" + str(int(time.time()))
+        status, _ = http("POST", f"/v1/sandboxes/{sid}/exec", {
+            "argv": ["/bin/sh", "-c", f"printf '%s\\n' '{marker}' > /dev/ttyS0"], "user": "root"})
+        assert status == 200, status
+        t = time.monotonic()
+        expect(page.locator("#log-tail")).to_contain_text(marker, timeout=20000)
+        assert page.locator("#log-tail b").count() == 0, "guest bytes became markup"
+        log(f"serial tail: the guest's line shown as text ({time.monotonic() - t:.1f} s)")
+        page.select_option("#log-kind", "vmm")
+        expect(page.locator("#log-note")).to_contain_text("bytes", timeout=10000)
+        # A healthy VMM may have logged nothing (its log holds warnings and errors).
+        r = page.request.get(f"{URL}/ui/api/sandboxes/{sid}/log?kind=vmm")
+        assert r.status == 200, r.text()
+        vmm = r.json()
+        assert vmm["size"] == len(vmm["text"].encode()) or vmm["cut"], vmm
+        r = page.request.get(f"{URL}/ui/api/sandboxes/{sid}/log?kind=kernel")
+        assert r.status == 400, (r.status, r.text())
+        page.select_option("#log-kind", "serial")
+        # Not a browser sandbox: no live view.
+        expect(page.locator("#live-view-box")).to_be_hidden()
+        log(f"VMM log tail: {vmm['size']} bytes")
 
         # ----- the terminal: a shell on a PTY over a WebSocket (xterm.js)
         t = time.monotonic()
@@ -326,7 +399,26 @@ def main():
         # ----- templates
         page.goto(URL + "/ui/#/templates")
         expect(page.locator("#template-rows")).to_contain_text(TEMPLATE)
+        # A build of a cached template: its log streams in and it ends `done`, in seconds.
+        t = time.monotonic()
+        page.fill("#build-name", "default")
+        page.click("#build")
+        expect(page.locator("#build-state")).to_have_attribute("data-state", "done", timeout=60000)
+        expect(page.locator("#build-log")).to_contain_text("up to date")
+        expect(page.locator("#build-log")).to_contain_text("done: default")
+        log(f"template build (cached): {page.locator('#build-log span').count()} log lines, "
+            f"{time.monotonic() - t:.1f} s")
         shot(page, "templates")
+        # A recipe that does not exist: its error in the log.
+        page.fill("#build-name", "no-such-recipe")
+        page.click("#build")
+        expect(page.locator("#build-state")).to_have_attribute("data-state", "failed", timeout=30000)
+        expect(page.locator("#build-log")).to_contain_text("error")
+        expect(page.locator("#build-log")).to_contain_text("no-such-recipe")
+        log("template build of an unknown recipe: its error shown")
+        # Without the CSRF token: refused before any build.
+        r = page.request.post(f"{URL}/ui/api/templates/default/build")
+        assert r.status == 403, r.status
 
         # ----- kill (confirmed), then sign-out
         page.goto(URL + f"/ui/#/sandboxes/{sid}")
