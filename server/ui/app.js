@@ -19,7 +19,8 @@ Document.prototype.createElement = function (tag, opts) {
 let csrf = null;
 let timer = null;
 let leave = null; // what the current view does when the page moves on (closes its terminal)
-const samples = []; // {t, running, paused, mem}
+const samples = []; // {t, running, paused, mem, creates, cpm, lat, lat_sum, lat_n}
+window.emberSamples = samples; // the UI test reads the overview's samples
 
 // ----- helpers -----
 
@@ -153,7 +154,19 @@ function overviewView(view) {
   poll(async () => {
     const o = await api('/ui/api/overview');
     const n = (s) => o.by_state[s] || 0;
-    samples.push({ t: Date.now(), running: n('running'), paused: n('paused'), mem: o.committed_memory_mib });
+    // Creates per minute and their mean latency, from the counters' change since the last
+    // sample (the latency is held while there are no creates).
+    const now = Date.now();
+    const prev = samples[samples.length - 1];
+    let cpm = 0;
+    let lat = prev ? prev.lat : 0;
+    if (prev && now > prev.t) {
+      cpm = Math.max(0, ((o.creates - prev.creates) * 60000) / (now - prev.t));
+      const dn = o.create_ms_count - prev.lat_n;
+      if (dn > 0) lat = (o.create_ms_sum - prev.lat_sum) / dn;
+    }
+    samples.push({ t: now, running: n('running'), paused: n('paused'), mem: o.committed_memory_mib,
+      creates: o.creates, cpm, lat, lat_sum: o.create_ms_sum, lat_n: o.create_ms_count });
     if (samples.length > SAMPLES) samples.shift();
     const card = (id, value, label) => h('div', { class: 'card', id }, h('div', { class: 'n' }, value), h('div', { class: 'l' }, label));
     cards.replaceChildren(
@@ -167,6 +180,8 @@ function overviewView(view) {
     charts.replaceChildren(
       chart('Sandboxes: running (green), paused (blue)', [['running', 's-running'], ['paused', 's-paused']]),
       chart('Guest memory committed, MiB', [['mem', 's-mem']]),
+      chart('Creates per minute', [['cpm', 's-running']], samples, SAMPLES, null, 'chart-cpm'),
+      chart('Create latency, ms (mean of each sample\'s creates)', [['lat', 's-mem']], samples, SAMPLES, null, 'chart-lat'),
     );
   });
 }
@@ -201,25 +216,27 @@ const STATES = ['live', 'all', 'creating', 'running', 'pausing', 'paused', 'resu
 
 // Sandboxes: one page (at most 50 rows) of the filtered list, refreshed in place.
 function listView(view) {
-  const q = { state: 'live', template: '', page: 0 };
+  const q = { state: 'live', template: '', metadata: '', page: 0 };
   const state = h('select', { id: 'f-state', onchange: () => { q.state = state.value; q.page = 0; load(); } },
     STATES.map((s) => h('option', { value: s }, s)));
   const template = h('select', { id: 'f-template', onchange: () => { q.template = template.value; q.page = 0; load(); } },
     h('option', { value: '' }, 'any template'));
+  const metadata = h('input', { id: 'f-metadata', class: 'mono', size: 24, placeholder: 'key=value,key2=value2',
+    onchange: () => { q.metadata = metadata.value; q.page = 0; load(); } });
   const body = h('tbody', { id: 'sandbox-rows' });
   const info = h('span', { id: 'page-info' });
   const prev = h('button', { id: 'prev', onclick: () => { q.page--; load(); } }, '‹ newer');
   const next = h('button', { id: 'next', onclick: () => { q.page++; load(); } }, 'older ›');
   view.append(
     h('h1', {}, 'Sandboxes'),
-    h('div', { class: 'filters' }, h('label', {}, 'State ', state), h('label', {}, 'Template ', template)),
+    h('div', { class: 'filters' }, h('label', {}, 'State ', state), h('label', {}, 'Template ', template), h('label', {}, 'Metadata ', metadata)),
     h('table', {}, h('thead', {}, h('tr', {}, ['id', 'state', 'template', 'created', 'memory', 'ends'].map((c) => h('th', {}, c)))), body),
     h('div', { class: 'pager' }, prev, info, next),
   );
   let seq = 0;
   const load = async () => {
     const mine = ++seq;
-    const p = new URLSearchParams({ state: q.state, template: q.template, page: q.page });
+    const p = new URLSearchParams({ state: q.state, template: q.template, metadata: q.metadata, page: q.page });
     const page = await api(`/ui/api/sandboxes?${p}`);
     if (mine !== seq) return; // a newer request is on its way
     q.page = page.page;
@@ -384,6 +401,27 @@ function sandboxView(view, id) {
   const pause = act('pause', 'Pause', '', `Pause sandbox ${id}? Its memory is written to disk and its VM stops.`);
   const resume = act('resume', 'Resume', '', `Resume sandbox ${id}?`);
   const kill = act('kill', 'Kill', 'danger', `Kill sandbox ${id}? This cannot be undone.`);
+  const forked = h('span', { id: 'fork-result' });
+  const fork = h('button', { id: 'fork', onclick: async () => {
+    if (!confirm(`Fork sandbox ${id}? A new sandbox starts from its current state (the parent keeps running).`)) return;
+    fork.disabled = true;
+    try {
+      const kids = await api(`${base}/fork`, { method: 'POST' });
+      forked.replaceChildren('forked: ', ...kids.map((k) => h('a', { href: `#/sandboxes/${k.id}`, class: 'mono' }, k.id)));
+    } catch (e) { flash(e.message); }
+    fork.disabled = false;
+  } }, 'Fork');
+  const snap = h('button', { id: 'snapshot', onclick: async () => {
+    const name = prompt(`Snapshot sandbox ${id} under a name (letters, digits, - _ .; empty: a generated one)`, '');
+    if (name === null) return;
+    snap.disabled = true;
+    try {
+      const sn = await api(`${base}/snapshot`, { method: 'POST', body: name.trim() ? { name: name.trim() } : {} });
+      forked.replaceChildren(`snapshot ${sn.name} taken`);
+      forked.dataset.snapshot = sn.name;
+    } catch (e) { flash(e.message); }
+    snap.disabled = false;
+  } }, 'Snapshot');
 
   const cell = h('textarea', { id: 'cell', spellcheck: 'false', placeholder: 'Python code, e.g. import pandas as pd; pd.DataFrame({"a": [1, 2]})' });
   const cellOut = h('div', { class: 'out', id: 'cell-out' });
@@ -422,7 +460,7 @@ function sandboxView(view, id) {
 
   view.append(
     h('h1', {}, 'Sandbox ', h('span', { class: 'mono' }, id), ' ', state), meta,
-    h('div', { class: 'actions' }, pause, resume, kill),
+    h('div', { class: 'actions' }, pause, resume, fork, snap, kill, forked),
     h('div', { class: 'box' }, h('h2', {}, 'Python cell'), cell, h('div', { class: 'actions' }, runCell, h('span', { class: 'muted' }, 'Ctrl+Enter runs')), cellOut),
     h('div', { class: 'box' }, h('h2', {}, 'Command'),
       h('p', { class: 'muted' }, 'Runs with /bin/sh -c; output is shown when it ends (not a terminal: no input, no TTY).'),
@@ -543,6 +581,8 @@ function sandboxView(view, id) {
     pause.disabled = s.state !== 'running';
     resume.disabled = s.state !== 'paused';
     kill.disabled = final;
+    fork.disabled = s.state !== 'running';
+    snap.disabled = s.state !== 'running';
     runCell.disabled = runCell.disabled || final;
     runCmd.disabled = runCmd.disabled || final;
     openTerm.disabled = !termWs && s.state !== 'running';

@@ -167,7 +167,8 @@ def main():
         page.goto(URL + "/ui/#/sandboxes")
         expect(page.locator("#page-info")).to_contain_text("page 1")
         page.evaluate("window.__noReload = 1")
-        status, sb = http("POST", "/v1/sandboxes", {"template": TEMPLATE, "timeout_secs": 600})
+        status, sb = http("POST", "/v1/sandboxes", {"template": TEMPLATE, "timeout_secs": 600,
+                                                    "metadata": {"suite": "ui", "run": str(os.getpid())}})
         assert status == 201, (status, sb)
         sid = sb["id"]
         t = time.monotonic()
@@ -181,6 +182,17 @@ def main():
         page.select_option("#f-state", "paused")
         expect(row).to_have_count(0)
         page.select_option("#f-state", "running")
+        expect(row).to_be_visible()
+        page.fill("#f-metadata", f"suite=ui,run={os.getpid()}")
+        page.press("#f-metadata", "Enter")
+        expect(row).to_be_visible()
+        page.fill("#f-metadata", "suite=other")
+        page.press("#f-metadata", "Enter")
+        expect(row).to_have_count(0)
+        r = page.request.get(f"{URL}/ui/api/sandboxes?metadata=novalue")
+        assert r.status == 400, (r.status, r.text())
+        page.fill("#f-metadata", "")
+        page.press("#f-metadata", "Enter")
         expect(row).to_be_visible()
         shot(page, "sandboxes")
         log(f"sandbox {sid} listed; filters work")
@@ -395,6 +407,33 @@ def main():
         expect(state).to_have_attribute("data-state", "running", timeout=60000)
         log(f"paused, resumed ({time.monotonic() - t:.1f} s)")
         expect(page.locator("#history")).to_contain_text("paused")
+
+        # ----- fork (confirmed) and a named snapshot (asked for in a prompt; empty: generated)
+        t = time.monotonic()
+        page.click("#fork")
+        child = page.locator("#fork-result a")
+        expect(child).to_be_visible(timeout=60000)
+        kid = child.inner_text()
+        assert http("GET", f"/v1/sandboxes/{kid}")[1]["forked_from"] == sid
+        log(f"forked: {kid} ({time.monotonic() - t:.1f} s)")
+        status, _ = http("DELETE", f"/v1/sandboxes/{kid}")
+        assert status == 200, status
+        t = time.monotonic()
+        page.click("#snapshot")
+        expect(page.locator("#fork-result")).to_contain_text("snapshot ", timeout=60000)
+        snap_name = page.locator("#fork-result").get_attribute("data-snapshot")
+        names = [x["name"] for x in http("GET", "/v1/snapshots")[1]]
+        assert snap_name in names, (snap_name, names)
+        status, _ = http("DELETE", f"/v1/snapshots/{snap_name}")
+        assert status == 200, status
+        log(f"snapshot {snap_name} taken ({time.monotonic() - t:.1f} s), then deleted")
+
+        # ----- overview: creates per minute and create latency from the server's counters
+        page.goto(URL + "/ui/#/overview")
+        page.wait_for_function("() => window.emberSamples.some((p) => p.cpm > 0 && p.lat > 0)", timeout=10000)
+        lat = page.evaluate("window.emberSamples[window.emberSamples.length - 1].lat")
+        assert page.locator("#chart-cpm polyline").count() == 1 and page.locator("#chart-lat polyline").count() == 1
+        log(f"overview: creates/min and create latency charted (last mean {lat:.0f} ms)")
 
         # ----- templates
         page.goto(URL + "/ui/#/templates")

@@ -26,7 +26,10 @@ use axum::routing::{get, post};
 use axum::{Form, Json, Router};
 use ember_runtime::call::{self, EventKind, ExecRequest, Io, RunCodeRequest};
 use ember_runtime::template::BuildEvent;
-use ember_runtime::{AuditFilter, ListFilter, LogKind, SandboxInfo, State as SandboxState};
+use ember_runtime::{
+    AuditFilter, ForkRequest, ListFilter, LogKind, SandboxInfo, SnapshotRequest,
+    State as SandboxState,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -84,6 +87,8 @@ pub fn routes(router: Router<AppState>, st: AppState) -> Router<AppState> {
         .route("/ui/api/sandboxes/{id}/pause", post(pause))
         .route("/ui/api/sandboxes/{id}/resume", post(resume))
         .route("/ui/api/sandboxes/{id}/kill", post(kill))
+        .route("/ui/api/sandboxes/{id}/fork", post(fork))
+        .route("/ui/api/sandboxes/{id}/snapshot", post(snapshot))
         .route("/ui/api/sandboxes/{id}/code", post(run_code))
         .route("/ui/api/sandboxes/{id}/exec", post(exec))
         .route("/ui/api/sandboxes/{id}/artifacts/collect", post(collect))
@@ -289,6 +294,8 @@ async fn overview(State(st): State<AppState>) -> Result<Json<Value>, ApiError> {
         "creates": m.creates,
         "create_failures": m.create_failures,
         "vmm_failures": m.vmm_failures,
+        "create_ms_sum": m.create_ms.sum,
+        "create_ms_count": m.create_ms.count,
     })))
 }
 
@@ -308,8 +315,34 @@ struct ListQuery {
     state: Option<String>,
     #[serde(default)]
     template: Option<String>,
+    /// `key=value` pairs, comma-separated: sandboxes whose metadata has all of them.
+    #[serde(default)]
+    metadata: Option<String>,
     #[serde(default)]
     page: Option<usize>,
+}
+
+/// `k=v,k2=v2` → the pairs (blank: none); a pair without `=` or with an empty key is refused.
+fn metadata_filter(
+    s: Option<&str>,
+) -> Result<std::collections::BTreeMap<String, String>, ApiError> {
+    let mut out = std::collections::BTreeMap::new();
+    for pair in s.unwrap_or("").split(',').map(str::trim) {
+        if pair.is_empty() {
+            continue;
+        }
+        match pair.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() => {
+                out.insert(k.trim().to_string(), v.trim().to_string());
+            }
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "metadata={pair:?}: expected key=value pairs separated by commas"
+                )))
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// One page of the filtered list, and how many there are in all.
@@ -365,18 +398,19 @@ pub fn paginate(all: Vec<SandboxInfo>, template: Option<&str>, page: usize) -> P
     }
 }
 
-/// `GET /ui/api/sandboxes?state=&template=&page=`: one page of at most [`PAGE_MAX`].
+/// `GET /ui/api/sandboxes?state=&template=&metadata=&page=`: one page of at most [`PAGE_MAX`].
 async fn sandboxes(
     State(st): State<AppState>,
     Query(q): Query<ListQuery>,
 ) -> Result<Json<Page>, ApiError> {
-    let filter = list_filter(q.state.as_deref()).ok_or_else(|| {
+    let mut filter = list_filter(q.state.as_deref()).ok_or_else(|| {
         ApiError::invalid(format!(
             "state={:?}: expected live, all or one of {}",
             q.state.as_deref().unwrap_or(""),
             SandboxState::ALL.map(|s| s.as_str()).join(", ")
         ))
     })?;
+    filter.metadata = metadata_filter(q.metadata.as_deref())?;
     let all = st
         .call(move |b| b.call(call::List { filter }, Io::none()))
         .await?;
@@ -548,6 +582,30 @@ async fn kill(
     st.call(move |b| b.call(call::Kill { id }, Io::none()))
         .await
         .map(Json)
+}
+
+/// `POST /ui/api/sandboxes/{id}/fork`: one new sandbox from this one (a `fork` call of
+/// count 1, the parent's timeout and metadata).
+async fn fork(State(st): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let req = ForkRequest {
+        count: 1,
+        timeout_secs: None,
+        metadata: None,
+    };
+    st.call(move |b| b.call(call::Fork { id, req }, Io::none()))
+        .await
+        .map(|v| Json(json!(v)))
+}
+
+/// `POST /ui/api/sandboxes/{id}/snapshot` (body `{name?}`): a named snapshot of it.
+async fn snapshot(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<SnapshotRequest>,
+) -> Result<Json<Value>, ApiError> {
+    st.call(move |b| b.call(call::TakeSnapshot { id, req }, Io::none()))
+        .await
+        .map(|v| Json(json!(v)))
 }
 
 async fn collect(
@@ -774,6 +832,16 @@ mod tests {
         assert_eq!(p.page, 4);
         let p = paginate(Vec::new(), None, 3);
         assert_eq!((p.total, p.page, p.items.len()), (0, 0, 0));
+    }
+
+    #[test]
+    fn metadata_filter_pairs() {
+        let m = metadata_filter(Some(" team=a , run = 7,")).unwrap();
+        assert_eq!(m.len(), 2);
+        assert_eq!((m["team"].as_str(), m["run"].as_str()), ("a", "7"));
+        assert!(metadata_filter(None).unwrap().is_empty());
+        assert!(metadata_filter(Some("novalue")).is_err());
+        assert!(metadata_filter(Some("=v")).is_err());
     }
 
     #[test]
