@@ -11,8 +11,9 @@
 //! plot (a PNG), `echo hi`, downloads a collected artifact, sees the resource chart fill, a
 //! line written to the guest's serial console in the log tail, builds the cached `default`
 //! template (its log streamed) and an unknown recipe (its error), pages through 1,000 ended
-//! sandboxes this file puts in the store first (50 rows at a time), pauses and resumes, kills
-//! and signs out; it checks 401 without the session and 403 for actions without the CSRF token. This
+//! sandboxes this file puts in the store first (50 rows at a time), filters by metadata,
+//! pauses and resumes, forks and snapshots, reads the overview's create rate and latency,
+//! kills and signs out; it checks 401 without the session and 403 for actions without the CSRF token. This
 //! file then checks that each page's screenshot is not blank (distinct pixel colours), and
 //! prints the script's figures (page weight, first paint of the overview, list update).
 
