@@ -74,16 +74,29 @@ impl Runtime {
 }
 
 /// The last `max` bytes of `path` (a missing file: empty, the VMM has not written it yet).
+/// The jail's `/work` is writable by the jailed VMM, so the file is opened without following
+/// a symlink and without blocking (a FIFO), and read only if it is a regular file.
 fn read_tail(path: &Path, max: u64) -> Result<LogTail, RuntimeError> {
-    let mut f = match std::fs::File::open(path) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path);
+    let mut f = match opened {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(LogTail::default()),
         Err(e) => return Err(RuntimeError::io("open a sandbox log", path)(e)),
     };
-    let size = f
+    let meta = f
         .metadata()
-        .map_err(RuntimeError::io("stat a sandbox log", path))?
-        .len();
+        .map_err(RuntimeError::io("stat a sandbox log", path))?;
+    if !meta.is_file() {
+        return Err(RuntimeError::Internal(format!(
+            "{}: not a regular file",
+            path.display()
+        )));
+    }
+    let size = meta.len();
     let start = size.saturating_sub(max);
     f.seek(SeekFrom::Start(start))
         .map_err(RuntimeError::io("seek in a sandbox log", path))?;
@@ -113,5 +126,14 @@ mod tests {
         assert_eq!(t.text, "econd \u{fffd} line\n");
         let t = read_tail(&p, 1000).unwrap();
         assert!(!t.cut && t.text.starts_with("first line\n"));
+        // Neither a symlink (to a host file) nor a FIFO (which would block) is read.
+        let link = dir.path().join("vmm.log");
+        std::os::unix::fs::symlink(&p, &link).unwrap();
+        assert!(read_tail(&link, 10).is_err());
+        let fifo = dir.path().join("fifo.log");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo(3) with a NUL-terminated path that lives for the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(read_tail(&fifo, 10).is_err());
     }
 }
