@@ -543,7 +543,7 @@ function sandboxView(view, id) {
     const every = `last ${pts.length} samples (one per ${POLL_MS / 1000} s while this page is open)`;
     resCharts.replaceChildren(
       chart('VMM CPU, % of its vCPUs', [['cpu', 's-running']], pts, u.max_samples, every, 'res-cpu'),
-      chart('Host memory of the VMM, MiB (green); disk layer, MiB (blue)', [['mem', 's-mem'], ['disk', 's-paused']], pts, u.max_samples, every, 'res-mem'),
+      chart('Host memory of the VMM, MiB (orange); its disk layer, MiB (blue)', [['mem', 's-mem'], ['disk', 's-paused']], pts, u.max_samples, every, 'res-mem'),
     );
     resNote.textContent = u.idle ? `Not sampled now: ${u.idle}` : '';
   }
@@ -554,8 +554,9 @@ function sandboxView(view, id) {
       const t = await api(`${base}/log?kind=${kind}`);
       if (kind !== logKind.value) return;
       const atEnd = logTail.scrollTop + logTail.clientHeight >= logTail.scrollHeight - 4;
-      // Control characters (escape sequences of the guest's terminal output) shown as '·'.
-      logTail.textContent = t.text.replace(/[\u0000-\u0008\u000b-\u001f\u007f]/g, '·');
+      // Line ends as the serial port sends them (\r\n) kept as lines; other control
+      // characters (escape sequences of the guest's terminal output) shown as '·'.
+      logTail.textContent = t.text.replace(/\r+\n/g, '\n').replace(/[\u0000-\u0008\u000b-\u001f\u007f]/g, '·');
       logNote.textContent = t.size ? `${t.cut ? 'the last' : 'all'} ${t.text.length} of ${t.size} bytes` : 'empty so far (0 bytes)';
       if (atEnd) logTail.scrollTop = logTail.scrollHeight;
     } catch (e) {

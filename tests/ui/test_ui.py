@@ -387,6 +387,7 @@ def main():
         expect(page.locator("#audit")).to_contain_text("exec")
         expect(page.locator("#history")).to_contain_text("running")
         shot(page, "sandbox")
+        page.screenshot(path=os.path.join(SHOTS, "sandbox_full.png"), full_page=True)  # for a look
 
         # ----- CSRF: the session alone does not allow actions
         r = page.request.post(f"{URL}/ui/api/sandboxes/{sid}/pause")
