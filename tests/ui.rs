@@ -63,6 +63,7 @@ fn seed_ended_sandboxes(home: &Path, n: usize) {
             },
             metadata: Default::default(),
             env: Default::default(),
+            secret_env: Default::default(),
             outputs: "/workspace/outputs".into(),
             uid: None,
             jail_id: None,
