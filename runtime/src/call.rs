@@ -249,6 +249,19 @@ calls! {
     ListSnapshots "snapshots" {} -> Vec<SnapshotInfo>;
     /// Deletes a named snapshot.
     DeleteSnapshot "delete_snapshot" { name: String } -> ();
+    /// Creates a secret (its value is never returned by any call).
+    SecretCreate "secret_create" {
+        name: String,
+        value: crate::secrets::SecretValue,
+        #[serde(default)]
+        description: Option<String>,
+    } -> crate::secrets::SecretInfo;
+    /// Every secret's name and metadata.
+    SecretList "secret_list" {} -> Vec<crate::secrets::SecretInfo>;
+    /// Replaces a secret's value.
+    SecretRotate "secret_rotate" { name: String, value: crate::secrets::SecretValue } -> crate::secrets::SecretInfo;
+    /// Deletes a secret.
+    SecretDelete "secret_delete" { name: String } -> ();
     /// Forks a sandbox into new ones.
     Fork "fork" { id: String, req: ForkRequest } -> Vec<SandboxInfo>;
     /// A sandbox's state history.
@@ -505,6 +518,20 @@ impl Runtime {
             Request::ListSnapshots(ListSnapshots {}) => Reply::ListSnapshots(self.snapshots()?),
             Request::DeleteSnapshot(DeleteSnapshot { name }) => {
                 Reply::DeleteSnapshot(self.delete_snapshot(&name)?)
+            }
+            Request::SecretCreate(SecretCreate {
+                name,
+                value,
+                description,
+            }) => {
+                Reply::SecretCreate(self.create_secret(&name, &value.0, description.as_deref())?)
+            }
+            Request::SecretList(SecretList {}) => Reply::SecretList(self.list_secrets()?),
+            Request::SecretRotate(SecretRotate { name, value }) => {
+                Reply::SecretRotate(self.rotate_secret(&name, &value.0)?)
+            }
+            Request::SecretDelete(SecretDelete { name }) => {
+                Reply::SecretDelete(self.delete_secret(&name)?)
             }
             Request::Fork(Fork { id, req }) => Reply::Fork(self.fork(&id, &req)?),
             Request::History(History { id }) => Reply::History(self.history(&id)?),

@@ -51,6 +51,9 @@ pub enum RuntimeError {
     /// The request is invalid.
     #[error("{0}")]
     Invalid(String),
+    /// The secrets store refused or failed.
+    #[error(transparent)]
+    Secret(#[from] crate::secrets::SecretError),
     /// The caller went away; the work in the guest was stopped.
     #[error("{0}")]
     Cancelled(String),
@@ -156,6 +159,12 @@ impl RuntimeError {
             RuntimeError::Template(TemplateError::NotBuilt { .. }) => ErrorClass::NotFound,
             RuntimeError::Template(TemplateError::BadName(_)) => ErrorClass::Invalid,
             RuntimeError::Invalid(_) => ErrorClass::Invalid,
+            RuntimeError::Secret(e) => match e {
+                crate::secrets::SecretError::NotFound(_) => ErrorClass::NotFound,
+                crate::secrets::SecretError::Exists(_) => ErrorClass::Conflict,
+                crate::secrets::SecretError::Invalid(_) => ErrorClass::Invalid,
+                _ => ErrorClass::Internal,
+            },
             RuntimeError::Conflict { .. } => ErrorClass::Conflict,
             RuntimeError::Capacity(_) => ErrorClass::Capacity,
             RuntimeError::Timeout { .. } => ErrorClass::Timeout,
@@ -179,6 +188,12 @@ impl RuntimeError {
             RuntimeError::Template(_) => "template_error",
             RuntimeError::Invalid(_) => "invalid_request",
             RuntimeError::Conflict { .. } => "wrong_state",
+            RuntimeError::Secret(e) => match e {
+                crate::secrets::SecretError::NotFound(_) => "secret_not_found",
+                crate::secrets::SecretError::Exists(_) => "secret_exists",
+                crate::secrets::SecretError::Invalid(_) => "invalid_request",
+                _ => "secrets_store_error",
+            },
             RuntimeError::Capacity(_) => "capacity",
             RuntimeError::Timeout { .. } => "timeout",
             RuntimeError::Guest { code, .. } => match code {

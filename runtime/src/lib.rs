@@ -31,6 +31,7 @@ pub mod pool;
 pub mod processes;
 pub mod sandbox;
 pub mod secret_env;
+pub mod secrets;
 pub mod store;
 pub mod template;
 
@@ -45,6 +46,7 @@ mod lifecycle;
 mod logtail;
 mod network;
 pub mod pooled;
+mod secret_calls;
 mod usage;
 mod watches;
 
@@ -98,6 +100,8 @@ struct Inner {
     watches: Mutex<HashMap<String, Arc<watches::LiveWatcher>>>,
     /// What the embedder follows pauses and resumes with (`set_hooks`).
     hooks: Mutex<Option<Arc<dyn LifecycleHooks>>>,
+    /// The secrets store (opened at first use; the egress proxy shares it).
+    secrets: Arc<crate::secrets::Secrets>,
 }
 
 /// One sandbox with a VMM or a pause snapshot.
@@ -200,6 +204,9 @@ impl Runtime {
             .map(|s| format!("{}{s}", db.display()).into())
             .collect();
         files.push(cfg.home.join("token"));
+        for f in ["secrets.db", "secrets.db-wal", "secrets.db-shm", "secrets.key"] {
+            files.push(cfg.home.join(f));
+        }
         match paths::secure_state(&cfg.home, &files) {
             Ok(fixed) => {
                 for f in fixed {
@@ -208,9 +215,11 @@ impl Runtime {
             }
             Err(e) => tracing::warn!("cannot check the modes of {}: {e}", cfg.home.display()),
         }
+        let secrets = Arc::new(crate::secrets::Secrets::new(&cfg.home));
         let net = Arc::new(
             crate::netpolicy::NetManager::new(&cfg.home, cfg.network.clone())
-                .map_err(|e| RuntimeError::Internal(e.to_string()))?,
+                .map_err(|e| RuntimeError::Internal(e.to_string()))?
+                .with_secrets(secrets.clone()),
         );
         // Members a previous server left are reclaimed with the other orphaned jails.
         let pool_dir = pooled::VmmFiller::pool_dir(&cfg);
@@ -243,6 +252,7 @@ impl Runtime {
                 net,
                 pool,
                 gate: start_gate,
+                secrets,
             }),
         };
         let weak = Arc::downgrade(&rt.inner);
