@@ -966,6 +966,7 @@ fn namespaces_and_rules_without_a_vm() {
         allow_domains: vec!["allowed.test".into(), "*.example.com".into()],
         bandwidth_kib: Some(512),
         max_connections: Some(16),
+        rules: Default::default(),
     };
     // The cost a networked sandbox adds to create and kill (reported, not asserted).
     let mut ms = Vec::new();

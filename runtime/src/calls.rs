@@ -92,7 +92,8 @@ impl Runtime {
         let timeout =
             Duration::from_millis(req.timeout_ms.unwrap_or(limit)) + Duration::from_secs(30);
         // The sandbox's environment (create's `env`, secret values included) under the
-        // call's own: a template's warm contexts were started before the sandbox had one.
+        // call's own: a template's warm contexts were started before the sandbox had one (the egress
+        // proxy's CA variables of a sandbox with network rules among them).
         for (k, v) in self.row_env(id) {
             req.env.entry(k).or_insert(v);
         }

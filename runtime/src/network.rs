@@ -60,21 +60,55 @@ impl Runtime {
             })
     }
 
+    /// Writes the CA bundle of the egress proxy (the host's system roots and the proxy's CA)
+    /// into sandbox `id` at [`crate::netpolicy::edge::GUEST_CA_BUNDLE`], where the variables
+    /// set at create point TLS clients.
+    pub(super) fn install_edge_ca(&self, id: &str) -> Result<(), RuntimeError> {
+        let shared = self
+            .inner
+            .net
+            .edge_shared()
+            .map_err(|e| RuntimeError::Internal(e.to_string()))?;
+        let mut bundle = crate::netpolicy::edge::system_bundle()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .unwrap_or_default();
+        if !bundle.is_empty() && !bundle.ends_with('\n') {
+            bundle.push('\n');
+        }
+        bundle.push_str(&shared.ca.cert_pem);
+        self.write_file(
+            id,
+            crate::netpolicy::edge::GUEST_CA_BUNDLE,
+            &mut bundle.as_bytes(),
+        )?;
+        Ok(())
+    }
+
     /// Writes an audit record of the connections a sandbox had refused (before its
     /// namespace goes).
     pub(super) fn audit_net_drops(&self, id: &str, net: &SandboxNet) {
         let Ok(stats) = self.inner.net.stats(net) else {
             return;
         };
-        if stats.drops.dropped == 0 && stats.denied_queries == 0 {
+        let edge_failed = stats
+            .edge
+            .as_ref()
+            .map_or(0, |e| e.failed + e.refused_connections);
+        if stats.drops.dropped == 0 && stats.denied_queries == 0 && edge_failed == 0 {
             return;
         }
-        let args = serde_json::json!({
+        let mut args = serde_json::json!({
             "dropped": stats.drops.dropped,
             "sample": stats.drops.dropped_destinations.iter().take(16).collect::<Vec<_>>(),
             "denied_queries": stats.denied_queries,
             "denied_names": stats.denied_names.iter().take(16).collect::<Vec<_>>(),
         });
+        if let Some(e) = &stats.edge {
+            // Which host and why: never a secret's value (none is in a reason).
+            args["edge_failed"] = serde_json::json!(e.failed);
+            args["edge_refused_connections"] = serde_json::json!(e.refused_connections);
+            args["edge_failures"] = serde_json::json!(e.failures);
+        }
         self.record(
             crate::store::now_ms(),
             Some(id),

@@ -255,6 +255,16 @@ impl Runtime {
         if let Some((p, _)) = fork {
             secret_env.extend(p.secret_env.iter().cloned());
         }
+        // Rules: TLS clients in the guest trust the egress proxy's CA (network.rs).
+        let edge_ca = fork.is_none() && !req.network.rules.is_empty();
+        if edge_ca {
+            for k in crate::netpolicy::edge::GUEST_CA_ENV {
+                env.insert(
+                    k.to_string(),
+                    crate::netpolicy::edge::GUEST_CA_BUNDLE.to_string(),
+                );
+            }
+        }
         let id = crate::paths::random_id();
         let now = now_ms();
         let row = SandboxRow {
@@ -321,6 +331,12 @@ impl Runtime {
         }
         let restore_dir = fork.map(|(_, d)| d.to_path_buf()).unwrap_or(src.dir);
         self.start_vm(&slot, &restore_dir, "created")?;
+        if edge_ca {
+            if let Err(e) = self.install_edge_ca(&id) {
+                let _ = self.kill(&id);
+                return Err(e);
+            }
+        }
         self.wake_timer();
         let info = lock(&slot.st).row.info();
         Ok(info)

@@ -126,6 +126,12 @@ pub enum DnsError {
 pub type AllowFn =
     Arc<dyn Fn(Vec<(IpAddr, u32)>) -> BoxFuture<'static, Result<(), String>> + Send + Sync>;
 
+/// Called with the question name (as [`DeniedFn`] gets it) and the addresses of an allowed
+/// answer, after [`AllowFn`] and before the answer is sent (the egress proxy's interception
+/// set is fed this way); an `Err` turns the answer into SERVFAIL.
+pub type AnswerFn =
+    Arc<dyn Fn(String, Vec<(IpAddr, u32)>) -> BoxFuture<'static, Result<(), String>> + Send + Sync>;
+
 /// Called for each refused query with the query name (lower case, dotted, no trailing dot; bytes
 /// outside `[a-z0-9_-]` escaped as `\.` or `\DDD`) and the query type. Rate-limit inside if needed.
 pub type DeniedFn = Arc<dyn Fn(&str, u16) + Send + Sync>;
@@ -610,6 +616,8 @@ pub struct Resolver {
     counters: Counters,
     /// Set once a fatal socket error was logged, so it is logged once.
     failed: AtomicBool,
+    /// See [`AnswerFn`].
+    answers: RwLock<Option<AnswerFn>>,
 }
 
 impl fmt::Debug for Resolver {
@@ -651,6 +659,7 @@ impl Resolver {
             tcp_connections: Arc::new(Semaphore::new(MAX_TCP_CONNECTIONS)),
             counters: Counters::default(),
             failed: AtomicBool::new(false),
+            answers: RwLock::new(None),
         })
     }
 
@@ -658,6 +667,60 @@ impl Resolver {
     /// handed to `allow` are not withdrawn here (they expire with their TTL in the nftables set).
     pub fn set_rules(&self, rules: DomainRules) {
         *self.rules.write().unwrap_or_else(|e| e.into_inner()) = rules;
+    }
+
+    /// Sets (or clears) the hook that sees each allowed answer with its name.
+    pub fn set_answer_hook(&self, hook: Option<AnswerFn>) {
+        *self.answers.write().unwrap_or_else(|e| e.into_inner()) = hook;
+    }
+
+    /// Asks upstream for the IPv4 addresses of `name` (the egress proxy's own look-up: it
+    /// never trusts the address a guest connected to). Not subject to the rules, not counted.
+    pub async fn lookup_v4(&self, name: &str) -> Result<Vec<Ipv4Addr>, String> {
+        check_name(name).map_err(|e| format!("{name:?}: {e}"))?;
+        let mut wire = Vec::with_capacity(name.len() + 2);
+        for label in name.trim_end_matches('.').split('.') {
+            wire.push(label.len() as u8);
+            wire.extend_from_slice(label.as_bytes());
+        }
+        wire.push(0);
+        let question = Question {
+            name: wire,
+            qtype: TYPE_A,
+            qclass: CLASS_IN,
+        };
+        let id = (std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0)
+            & 0xffff) as u16;
+        let mut query = Vec::with_capacity(HEADER_LEN + question.name.len() + 4);
+        query.extend_from_slice(&id.to_be_bytes());
+        query.extend_from_slice(&FLAG_RD.to_be_bytes());
+        query.extend_from_slice(&1u16.to_be_bytes());
+        query.extend_from_slice(&[0; 6]);
+        write_question(&mut query, &question);
+        let reply = self
+            .ask_upstream(&query, id, &question)
+            .await
+            .map_err(|e| format!("resolving {name}: {e}"))?;
+        let rcode = read_u16(&reply, 2).map_err(|e| format!("resolving {name}: {e}"))? & MASK_RCODE;
+        if rcode != RCODE_NOERROR {
+            return Err(format!("resolving {name}: rcode {rcode}"));
+        }
+        let addrs =
+            collect_addresses(&reply, &question).map_err(|e| format!("resolving {name}: {e}"))?;
+        let v4: Vec<Ipv4Addr> = addrs
+            .into_iter()
+            .filter_map(|(ip, _)| match ip {
+                IpAddr::V4(ip) => Some(ip),
+                IpAddr::V6(_) => None,
+            })
+            .collect();
+        if v4.is_empty() {
+            return Err(format!("{name} has no IPv4 address"));
+        }
+        Ok(v4)
     }
 
     /// The counters so far.
@@ -871,7 +934,7 @@ impl Resolver {
             return servfail();
         };
         if !addrs.is_empty() {
-            let failure = match timeout(ALLOW_TIMEOUT, (self.allow)(addrs)).await {
+            let failure = match timeout(ALLOW_TIMEOUT, (self.allow)(addrs.clone())).await {
                 Ok(Ok(())) => None,
                 Ok(Err(e)) => Some(e),
                 Err(_) => Some("timed out".to_owned()),
@@ -880,6 +943,24 @@ impl Resolver {
                 tracing::warn!(error = %e, name = %display_name(&question.name), "dns: allowing the answer's addresses failed");
                 bump(&self.counters.allow_failures);
                 return servfail();
+            }
+            let hook = self
+                .answers
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            if let Some(hook) = hook {
+                let name = display_name(&question.name);
+                let failure = match timeout(ALLOW_TIMEOUT, hook(name, addrs)).await {
+                    Ok(Ok(())) => None,
+                    Ok(Err(e)) => Some(e),
+                    Err(_) => Some("timed out".to_owned()),
+                };
+                if let Some(e) = failure {
+                    tracing::warn!(error = %e, name = %display_name(&question.name), "dns: the answer hook failed");
+                    bump(&self.counters.allow_failures);
+                    return servfail();
+                }
             }
         }
         bump(&self.counters.answered);

@@ -22,6 +22,7 @@
 //! allowed addresses when the policy lists domains.
 
 pub mod dns;
+pub mod edge;
 pub mod nft;
 pub mod policy;
 
@@ -98,6 +99,9 @@ pub struct NetOptions {
     /// Where the sandboxes' resolvers send allowed queries (default: the host's first
     /// `nameserver`).
     pub dns_upstream: Option<SocketAddr>,
+    /// The CA bundle (PEM) the egress proxy verifies upstream servers with, instead of the
+    /// system's (tests; a private PKI).
+    pub edge_upstream_ca: Option<PathBuf>,
 }
 
 impl Default for NetOptions {
@@ -109,6 +113,7 @@ impl Default for NetOptions {
                 len: 16,
             },
             dns_upstream: None,
+            edge_upstream_ca: None,
         }
     }
 }
@@ -216,6 +221,8 @@ struct NetState {
     resolver: Option<(Arc<dns::Resolver>, tokio::sync::watch::Sender<bool>)>,
     /// Names the resolver refused (latest 32) and how many queries in all.
     denied_log: Option<DeniedLog>,
+    /// The egress proxy, for a policy with rules.
+    edge: Option<(Arc<edge::EdgeSandbox>, tokio::sync::watch::Sender<bool>)>,
 }
 
 /// Names the resolver refused (latest 32) and how many queries in all.
@@ -263,6 +270,9 @@ pub struct NetStats {
     pub denied_names: Vec<String>,
     /// Queries the resolver refused in all.
     pub denied_queries: u64,
+    /// The egress proxy's counters (a policy with rules).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edge: Option<edge::EdgeStats>,
 }
 
 /// Sets up, changes and tears down sandboxes' networks for one runtime home.
@@ -274,6 +284,11 @@ pub struct NetManager {
     /// The resolvers' runtime (an Option so that Drop can shut it down without blocking:
     /// the manager may be dropped inside another runtime, e.g. `ember serve`'s).
     rt: Option<tokio::runtime::Runtime>,
+    /// The secrets the egress proxy resolves placeholders from.
+    secrets: Option<Arc<crate::secrets::Secrets>>,
+    /// The egress proxy's CA and upstream trust (made with the first sandbox with rules).
+    edge: Mutex<Option<Arc<edge::EdgeShared>>>,
+    home: PathBuf,
 }
 
 impl std::fmt::Debug for NetManager {
@@ -315,7 +330,135 @@ impl NetManager {
             host: Mutex::new(None),
             slots: Mutex::new(BTreeSet::new()),
             rt: Some(rt),
+            secrets: None,
+            edge: Mutex::new(None),
+            home: home.to_path_buf(),
         })
+    }
+
+    /// The same manager, its egress proxies resolving placeholders from `secrets`.
+    pub fn with_secrets(mut self, secrets: Arc<crate::secrets::Secrets>) -> NetManager {
+        self.secrets = Some(secrets);
+        self
+    }
+
+    /// The egress proxy's shared state (its CA made or loaded at the first call).
+    pub fn edge_shared(&self) -> Result<Arc<edge::EdgeShared>, NetError> {
+        let mut e = self.edge.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = &*e {
+            return Ok(e.clone());
+        }
+        let shared = edge::EdgeShared::new(
+            &self.home.join("edge-ca"),
+            self.opts.edge_upstream_ca.as_deref(),
+            self.secrets.clone(),
+        )
+        .map_err(|e| NetError::Config(format!("egress proxy: {e}")))?;
+        let shared = Arc::new(shared);
+        *e = Some(shared.clone());
+        Ok(shared)
+    }
+
+    /// Starts, updates or stops the egress proxy of `net` for `policy` (its resolver runs).
+    fn apply_edge(
+        &self,
+        net: &SandboxNet,
+        st: &mut NetState,
+        policy: &NetworkPolicy,
+        h: &HostState,
+    ) -> Result<(), NetError> {
+        if policy.rules.is_empty() {
+            if let Some((_, stop)) = st.edge.take() {
+                let _ = stop.send(true);
+            }
+            if let Some((r, _)) = &st.resolver {
+                r.set_answer_hook(None);
+            }
+            return Ok(());
+        }
+        if let Some((sb, _)) = &st.edge {
+            sb.set_policy(policy.clone());
+            return Ok(());
+        }
+        let Some((resolver, _)) = &st.resolver else {
+            return Err(NetError::Config(
+                "rules need the sandbox's resolver, and this host has no upstream resolver \
+                 (--dns-upstream)"
+                    .into(),
+            ));
+        };
+        let shared = self.edge_shared()?;
+        let mut extra_deny: Vec<Cidr4> = h
+            .addrs
+            .iter()
+            .map(|a| Cidr4 { addr: *a, len: 32 })
+            .collect();
+        extra_deny.push(self.opts.pool);
+        let sb = Arc::new(edge::EdgeSandbox::new(
+            &net.name,
+            policy.clone(),
+            resolver.clone(),
+            extra_deny,
+        ));
+        let hook_sb = sb.clone();
+        let path = net.path.clone();
+        let hook: dns::AnswerFn = Arc::new(move |name: String, addrs: Vec<(IpAddr, u32)>| {
+            let (sb, path) = (hook_sb.clone(), path.clone());
+            Box::pin(async move {
+                if !sb.is_rule_host(&name) {
+                    return Ok(());
+                }
+                let v4: Vec<(Ipv4Addr, u32)> = addrs
+                    .into_iter()
+                    .filter_map(|(ip, ttl)| match ip {
+                        IpAddr::V4(ip) => Some((ip, ttl.clamp(30, 86_400) + 30)),
+                        IpAddr::V6(_) => None,
+                    })
+                    .collect();
+                if v4.is_empty() {
+                    return Ok(());
+                }
+                let rules = nft::set_elements("edge4", &v4);
+                tokio::task::spawn_blocking(move || {
+                    in_netns(&path, || nft::apply(&rules))
+                        .map_err(|e| e.to_string())?
+                        .map_err(|e| e.to_string())
+                })
+                .await
+                .map_err(|e| e.to_string())?
+            })
+        });
+        let (tls_l, http_l) = in_netns(&net.path, || -> std::io::Result<_> {
+            let t = std::net::TcpListener::bind((GATEWAY, edge::TLS_PORT))?;
+            t.set_nonblocking(true)?;
+            let p = std::net::TcpListener::bind((GATEWAY, edge::HTTP_PORT))?;
+            p.set_nonblocking(true)?;
+            Ok((t, p))
+        })?
+        .map_err(sys("binding the egress proxy's listeners"))?;
+        let Some(rt) = &self.rt else {
+            return Err(NetError::Config(
+                "the network manager is shutting down".into(),
+            ));
+        };
+        let (stop, rx) = tokio::sync::watch::channel(false);
+        {
+            let _g = rt.enter();
+            let tls_l =
+                tokio::net::TcpListener::from_std(tls_l).map_err(sys("egress proxy socket"))?;
+            let http_l =
+                tokio::net::TcpListener::from_std(http_l).map_err(sys("egress proxy socket"))?;
+            rt.spawn(edge::serve_tls(
+                shared.clone(),
+                sb.clone(),
+                tls_l,
+                rx.clone(),
+            ));
+            rt.spawn(edge::serve_http(shared, sb.clone(), http_l, rx));
+        }
+        resolver.set_answer_hook(Some(hook));
+        st.edge = Some((sb, stop));
+        Ok(())
     }
 
     /// The tag in this runtime's names (namespaces `em-<tag>-…`, veths `vh<tag>…`, table
@@ -526,6 +669,9 @@ impl NetManager {
         let mut st = net.state.lock().unwrap_or_else(|p| p.into_inner());
         st.policy = policy.clone();
         if !egress {
+            if let Some((_, stop)) = st.edge.take() {
+                let _ = stop.send(true);
+            }
             if let Some((_, stop)) = st.resolver.take() {
                 let _ = stop.send(true);
             }
@@ -540,9 +686,16 @@ impl NetManager {
         };
         if let Some((r, _)) = &st.resolver {
             r.set_rules(rules);
-            return Ok(());
+            return self.apply_edge(net, &mut st, policy, h);
         }
         let Some(upstream) = h.upstream else {
+            if !policy.rules.is_empty() {
+                return Err(NetError::Config(
+                    "rules need the sandbox's resolver, and this host has no upstream \
+                     resolver (no nameserver in /etc/resolv.conf and no --dns-upstream)"
+                        .into(),
+                ));
+            }
             tracing::warn!(
                 "sandbox network {}: no upstream resolver (no nameserver in /etc/resolv.conf \
                  and no --dns-upstream); names will not resolve",
@@ -636,7 +789,7 @@ impl NetManager {
         }
         st.denied_log = Some(denied_log);
         st.resolver = Some((resolver, stop));
-        Ok(())
+        self.apply_edge(net, &mut st, policy, h)
     }
 
     /// Changes a running sandbox's policy (takes effect on its next connection).
@@ -660,6 +813,7 @@ impl NetManager {
             drops: nft::parse_stats(&text),
             denied_names: names,
             denied_queries: total,
+            edge: st.edge.as_ref().map(|(sb, _)| sb.stats()),
         })
     }
 
@@ -667,6 +821,9 @@ impl NetManager {
     /// the veth pair, the TAP and the rules — and frees its slot). Safe to call twice.
     pub fn teardown(&self, net: &SandboxNet) {
         if let Ok(mut st) = net.state.lock() {
+            if let Some((_, stop)) = st.edge.take() {
+                let _ = stop.send(true);
+            }
             if let Some((_, stop)) = st.resolver.take() {
                 let _ = stop.send(true);
             }

@@ -149,7 +149,21 @@ pub fn sandbox(policy: &NetworkPolicy, side: &SandboxSide, initial: bool) -> Val
         t.chain("denied", None);
         t.chain("admit", None);
     }
-    for c in ["input", "forward", "postrouting", "denied", "admit"] {
+    // The egress proxy's interception (added on every render: namespaces made before it
+    // existed get it at their next policy change; adding what exists is a no-op).
+    t.add(
+        "set",
+        json!({"name": "edge4", "type": "ipv4_addr", "flags": ["timeout"]}),
+    );
+    t.chain("prerouting", Some(("nat", "prerouting", -100, "accept")));
+    for c in [
+        "input",
+        "forward",
+        "postrouting",
+        "denied",
+        "admit",
+        "prerouting",
+    ] {
         t.flush("chain", c);
     }
     // The static sets are replaced rather than flushed and refilled: the kernel refuses an
@@ -236,6 +250,37 @@ pub fn sandbox(policy: &NetworkPolicy, side: &SandboxSide, initial: bool) -> Val
             );
         }
     }
+    if policy.mode == NetMode::Egress && !policy.rules.is_empty() {
+        // The guest's HTTP(S) to addresses of rule hosts goes to the egress proxy, which
+        // listens on the gateway address (super::edge).
+        for (from, to) in [(443, super::edge::TLS_PORT), (80, super::edge::HTTP_PORT)] {
+            t.rule(
+                "prerouting",
+                vec![
+                    m(tap(), json!(TAP)),
+                    m(daddr(), json!("@edge4")),
+                    m(
+                        json!({"payload": {"protocol": "tcp", "field": "dport"}}),
+                        json!(from),
+                    ),
+                    json!({"dnat": {"family": "ip", "addr": side.gateway.to_string(),
+                                     "port": to}}),
+                ],
+            );
+            t.rule(
+                "input",
+                vec![
+                    m(tap(), json!(TAP)),
+                    m(daddr(), json!(side.gateway.to_string())),
+                    m(
+                        json!({"payload": {"protocol": "tcp", "field": "dport"}}),
+                        json!(to),
+                    ),
+                    json!({"accept": null}),
+                ],
+            );
+        }
+    }
     t.rule(
         "input",
         vec![m(tap(), json!(TAP)), json!({"jump": {"target": "denied"}})],
@@ -306,6 +351,11 @@ pub fn sandbox(policy: &NetworkPolicy, side: &SandboxSide, initial: bool) -> Val
 /// transaction: add (so that the delete finds every element), delete, add again with the
 /// new timeouts; no moment without the element.
 pub fn dns_elements(addrs: &[(Ipv4Addr, u32)]) -> Value {
+    set_elements("dns4", addrs)
+}
+
+/// [`dns_elements`] for the sandbox table's set `set_name` (`dns4`, `edge4`).
+pub fn set_elements(set_name: &str, addrs: &[(Ipv4Addr, u32)]) -> Value {
     let mut longest: std::collections::BTreeMap<Ipv4Addr, u32> = Default::default();
     for (ip, ttl) in addrs {
         let t = longest.entry(*ip).or_insert(*ttl);
@@ -316,8 +366,7 @@ pub fn dns_elements(addrs: &[(Ipv4Addr, u32)]) -> Value {
         .map(|(ip, ttl)| json!({"elem": {"val": ip.to_string(), "timeout": ttl}}))
         .collect();
     let names: Vec<Value> = longest.keys().map(|ip| json!(ip.to_string())).collect();
-    let set =
-        |elem: Vec<Value>| json!({"family": "inet", "table": TABLE, "name": "dns4", "elem": elem});
+    let set = |elem: Vec<Value>| json!({"family": "inet", "table": TABLE, "name": set_name, "elem": elem});
     json!({"nftables": [
         {"add": {"element": set(elems.clone())}},
         {"delete": {"element": set(names)}},
@@ -540,6 +589,28 @@ mod tests {
     }
 
     #[test]
+    fn rules_dnat_only_their_hosts_addresses_to_the_proxy() {
+        let plain = NetworkPolicy {
+            mode: NetMode::Egress,
+            ..Default::default()
+        };
+        let text = sandbox(&plain, &side(), true).to_string();
+        assert!(
+            text.contains("\"edge4\"") && !text.contains("dnat"),
+            "{text}"
+        );
+        let mut p = plain.clone();
+        p.rules
+            .insert("api.example.com".into(), vec![Default::default()]);
+        let text = sandbox(&p, &side(), false).to_string();
+        for needle in ["\"@edge4\"", "\"dnat\"", "15443", "15080"] {
+            assert!(text.contains(needle), "{needle} missing: {text}");
+        }
+        let e = set_elements("edge4", &[("192.0.2.1".parse().unwrap(), 60)]);
+        assert_eq!(e["nftables"][0]["add"]["element"]["name"], "edge4");
+    }
+
+    #[test]
     fn egress_renders_lists_limits_and_domains() {
         let p = NetworkPolicy {
             mode: NetMode::Egress,
@@ -548,6 +619,7 @@ mod tests {
             allow_domains: vec!["example.com".into()],
             bandwidth_kib: Some(512),
             max_connections: Some(20),
+            rules: Default::default(),
         };
         let v = sandbox(&p, &side(), true);
         let again = sandbox(&p, &side(), false).to_string();

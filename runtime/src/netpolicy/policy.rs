@@ -1,6 +1,7 @@
 //! What a sandbox may reach: the policy callers set (at create, and changed at run time) and
 //! its validation. Enforcement is in [`super::nft`] (rules) and [`super::dns`] (names).
 
+use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
 use serde::{Deserialize, Serialize};
@@ -68,6 +69,135 @@ pub struct NetworkPolicy {
     /// Most concurrent connections out of the sandbox.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_connections: Option<u32>,
+    /// Per-host request rules, applied by the host-side egress proxy to HTTP and HTTPS
+    /// requests to these exact host names (see docs/network.md): headers added or replaced,
+    /// with `${secrets.NAME}` placeholders resolved from the secrets store at request time.
+    /// Needs mode `egress`; with `allow_domains` set, each host must be allowed there too.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub rules: BTreeMap<String, Vec<HostRule>>,
+}
+
+/// One rule of a host.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct HostRule {
+    /// What is changed in each request.
+    #[serde(default)]
+    pub transform: Transform,
+}
+
+/// A request transform.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Transform {
+    /// Headers set on the request (replacing any the guest sent), values with
+    /// `${secrets.NAME}` placeholders.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+}
+
+/// Most hosts with rules.
+pub const MAX_RULE_HOSTS: usize = 32;
+/// Most headers a host's rules set.
+pub const MAX_RULE_HEADERS: usize = 16;
+
+impl NetworkPolicy {
+    /// The headers the rules of `host` set (lower-case host, no trailing dot), in rule order.
+    pub fn rule_headers(&self, host: &str) -> Option<Vec<(String, String)>> {
+        let rules = self.rules.get(host)?;
+        Some(
+            rules
+                .iter()
+                .flat_map(|r| r.transform.headers.iter())
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+        )
+    }
+
+    /// Every secret name the rules refer to.
+    pub fn rule_secrets(&self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .rules
+            .values()
+            .flatten()
+            .flat_map(|r| r.transform.headers.values())
+            .filter_map(|v| crate::secrets::placeholders(v).ok())
+            .flatten()
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    fn validate_rules(&self) -> Result<(), String> {
+        if self.rules.is_empty() {
+            return Ok(());
+        }
+        if self.mode != NetMode::Egress {
+            return Err("rules need mode \"egress\"".into());
+        }
+        if self.rules.len() > MAX_RULE_HOSTS {
+            return Err(format!("rules: at most {MAX_RULE_HOSTS} hosts"));
+        }
+        let allowed = super::dns::DomainRules::new(&self.allow_domains)
+            .map_err(|e| format!("allow_domains: {e}"))?;
+        for (host, rules) in &self.rules {
+            if host.contains('*') || host.ends_with('.') || host != &host.to_ascii_lowercase() {
+                return Err(format!(
+                    "rules: host {host:?} must be an exact lower-case name (no wildcard, no \
+                     trailing dot)"
+                ));
+            }
+            super::dns::DomainRules::new(std::slice::from_ref(host))
+                .map_err(|e| format!("rules: host {host:?}: {e}"))?;
+            if host.parse::<Ipv4Addr>().is_ok() {
+                return Err(format!(
+                    "rules: host {host:?} is an address; rules name hosts (the proxy \
+                     intercepts by name)"
+                ));
+            }
+            if !self.allow_domains.is_empty() && !allowed.allows(host) {
+                return Err(format!(
+                    "rules: host {host:?} is not allowed by allow_domains (a rule host must be \
+                     allowed too)"
+                ));
+            }
+            let n: usize = rules.iter().map(|r| r.transform.headers.len()).sum();
+            if n > MAX_RULE_HEADERS {
+                return Err(format!(
+                    "rules: host {host:?}: at most {MAX_RULE_HEADERS} headers"
+                ));
+            }
+            for (name, value) in rules.iter().flat_map(|r| r.transform.headers.iter()) {
+                let token = !name.is_empty()
+                    && name.len() <= 128
+                    && name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+                if !token {
+                    return Err(format!(
+                        "rules: host {host:?}: {name:?} is not a header name"
+                    ));
+                }
+                if ["host", "content-length", "transfer-encoding", "connection"]
+                    .contains(&name.to_ascii_lowercase().as_str())
+                {
+                    return Err(format!(
+                        "rules: host {host:?}: header {name:?} cannot be set by a rule"
+                    ));
+                }
+                if value.len() > 8192 || value.chars().any(|c| c.is_control()) {
+                    return Err(format!(
+                        "rules: host {host:?}: header {name:?}: the value is too long or has \
+                         a control character"
+                    ));
+                }
+                crate::secrets::placeholders(value)
+                    .map_err(|e| format!("rules: host {host:?}: header {name:?}: {e}"))?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// An IPv4 prefix.
@@ -153,6 +283,7 @@ impl NetworkPolicy {
         if self.max_connections == Some(0) {
             return Err("max_connections must be at least 1".into());
         }
+        self.validate_rules()?;
         if self.mode == NetMode::None
             && (!self.allow_cidrs.is_empty() || !self.allow_domains.is_empty())
         {
@@ -226,5 +357,60 @@ mod tests {
         assert_eq!(p.mode, NetMode::None);
         assert!(serde_json::from_str::<NetworkPolicy>(r#"{"mode":"host"}"#).is_err());
         assert!(serde_json::from_str::<NetworkPolicy>(r#"{"allow":[]}"#).is_err());
+    }
+
+    #[test]
+    fn rules_validate_and_name_the_bad_entry() {
+        let p: NetworkPolicy = serde_json::from_str(
+            r#"{"mode":"egress","allow_domains":["api.example.com"],
+                "rules":{"api.example.com":[{"transform":{"headers":
+                    {"Authorization":"Bearer ${secrets.openai}"}}}]}}"#,
+        )
+        .unwrap();
+        p.validate().unwrap();
+        assert_eq!(p.rule_secrets(), ["openai"]);
+        assert_eq!(
+            p.rule_headers("api.example.com").unwrap(),
+            [(
+                "Authorization".to_string(),
+                "Bearer ${secrets.openai}".to_string()
+            )]
+        );
+        let bad = |edit: &dyn Fn(&mut NetworkPolicy), want: &str| {
+            let mut q = p.clone();
+            edit(&mut q);
+            let e = q.validate().unwrap_err();
+            assert!(e.contains(want), "{e} lacks {want}");
+        };
+        bad(&|q| q.mode = NetMode::None, "egress");
+        bad(
+            &|q| q.allow_domains = vec!["other.com".into()],
+            "allow_domains",
+        );
+        bad(
+            &|q| {
+                let r = q.rules.remove("api.example.com").unwrap();
+                q.rules.insert("*.example.com".into(), r);
+            },
+            "exact",
+        );
+        bad(
+            &|q| {
+                q.rules.get_mut("api.example.com").unwrap()[0]
+                    .transform
+                    .headers
+                    .insert("X-Key".into(), "${env.HOME}".into());
+            },
+            "X-Key",
+        );
+        bad(
+            &|q| {
+                q.rules.get_mut("api.example.com").unwrap()[0]
+                    .transform
+                    .headers
+                    .insert("Bad Name".into(), "x".into());
+            },
+            "header name",
+        );
     }
 }
