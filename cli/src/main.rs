@@ -7,6 +7,7 @@ mod mcp;
 mod remote;
 mod render;
 mod run;
+mod secret;
 mod serve;
 mod template;
 mod term;
@@ -73,6 +74,9 @@ enum Cmd {
     Artifacts(remote::ArtifactsArgs),
     /// Show a sandbox's audit log.
     Logs(remote::LogsArgs),
+    /// Secrets that sandboxes' network rules put into requests at the edge (values go in,
+    /// never come out; see docs/network.md).
+    Secret(secret::SecretArgs),
     /// Serve MCP on stdio for a local agent, forwarding to the server's /mcp (EMBER_URL,
     /// EMBER_TOKEN); kills the sandboxes it created when it exits. `ember mcp --help` shows
     /// an MCP client's configuration.
@@ -104,6 +108,7 @@ fn main() -> ExitCode {
         Cmd::Cp(a) => remote::cp_main(a),
         Cmd::Artifacts(a) => remote::artifacts_main(a),
         Cmd::Logs(a) => remote::logs_main(a),
+        Cmd::Secret(a) => secret::main(a),
         Cmd::Mcp(a) => mcp::main(a),
         Cmd::Screenshot(a) => browser::screenshot_main(a),
         Cmd::Tls(c) => tls::main(c),

@@ -171,6 +171,10 @@ pub struct PolicyArgs {
     /// Most concurrent outgoing connections.
     #[arg(long, value_name = "N")]
     pub max_connections: Option<u32>,
+    /// A header the egress proxy sets on HTTP(S) requests to HOST:
+    /// `HOST:HEADER=VALUE`, the value with `${secrets.NAME}` placeholders (repeatable).
+    #[arg(long = "rule", value_name = "HOST:HEADER=VALUE")]
+    pub rules: Vec<String>,
 }
 
 impl PolicyArgs {
@@ -180,7 +184,8 @@ impl PolicyArgs {
             || !self.deny_cidrs.is_empty()
             || !self.allow_domains.is_empty()
             || self.bandwidth_kib.is_some()
-            || self.max_connections.is_some();
+            || self.max_connections.is_some()
+            || !self.rules.is_empty();
         let mode = match self.network.as_deref() {
             None if !lists => return Ok(None),
             None | Some("egress") => NetMode::Egress,
@@ -194,7 +199,25 @@ impl PolicyArgs {
             allow_domains: self.allow_domains.clone(),
             bandwidth_kib: self.bandwidth_kib,
             max_connections: self.max_connections,
+            rules: Default::default(),
         };
+        let mut p = p;
+        for r in &self.rules {
+            let (host, rest) = r
+                .split_once(':')
+                .ok_or_else(|| format!("--rule {r:?}: expected HOST:HEADER=VALUE"))?;
+            let (header, value) = rest
+                .split_once('=')
+                .ok_or_else(|| format!("--rule {r:?}: expected HOST:HEADER=VALUE"))?;
+            let rules = p.rules.entry(host.to_ascii_lowercase()).or_default();
+            if rules.is_empty() {
+                rules.push(Default::default());
+            }
+            rules[0]
+                .transform
+                .headers
+                .insert(header.to_string(), value.to_string());
+        }
         p.validate()?;
         Ok(Some(p))
     }

@@ -98,6 +98,10 @@ pub struct ServeArgs {
     /// nameserver).
     #[arg(long, env = "EMBER_DNS_UPSTREAM", value_name = "IP[:PORT]")]
     pub dns_upstream: Option<String>,
+    /// The CA bundle (PEM) the egress proxy verifies upstream servers with, instead of the
+    /// system's (a private PKI; tests).
+    #[arg(long, env = "EMBER_EDGE_UPSTREAM_CA", value_name = "PEM")]
+    pub edge_upstream_ca: Option<std::path::PathBuf>,
     /// First host uid of the jailed VMMs (each running sandbox gets its own uid above it;
     /// default 200000). Two runtimes on one host need ranges that do not overlap.
     #[arg(long, value_name = "UID")]
@@ -240,6 +244,7 @@ pub fn run(a: ServeArgs, node: Option<NodeStart>) -> ExitCode {
         Ok(p) => cfg.network.pool = p,
         Err(e) => return fail(format!("--net-pool: {e}")),
     }
+    cfg.network.edge_upstream_ca = a.edge_upstream_ca.clone();
     if let Some(d) = &a.dns_upstream {
         let parsed = d.parse::<SocketAddr>().or_else(|_| {
             d.parse::<std::net::IpAddr>()

@@ -33,6 +33,7 @@ pub mod openapi;
 pub mod ports;
 pub mod proxy;
 pub mod routes;
+pub mod secrets;
 pub mod stream;
 pub mod tokens;
 pub mod types;
@@ -340,6 +341,8 @@ pub(crate) fn table(doc: utoipa::openapi::OpenApi) -> Table {
         .add(routes!(ports::expose))
         .add(routes!(ports::unexpose))
         .add(routes!(r::audit))
+        .add(routes!(secrets::create_secret, secrets::list_secrets))
+        .add(routes!(secrets::rotate_secret, secrets::delete_secret))
 }
 
 /// The routes as (method, path), in axum's path syntax. The paths come out of the

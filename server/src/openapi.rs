@@ -32,6 +32,9 @@ use ember_runtime::{
         RunCodeBody, ExecBody, ExecUserBody, EntryOut, StatOut, WrittenOut, MkdirBody,
         RenameBody, ArtifactInfo, AuditRecord, ExposeBody, NetworkBody,
         ember_runtime::NetworkInfo, ember_runtime::netpolicy::NetStats, ember_runtime::netpolicy::DropStats,
+        ember_runtime::netpolicy::edge::EdgeStats, ember_runtime::netpolicy::policy::HostRule,
+        ember_runtime::netpolicy::policy::Transform, ember_runtime::secrets::SecretInfo,
+        super::secrets::SecretCreateBody, super::secrets::SecretRotateBody,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = [])),
@@ -47,6 +50,8 @@ use ember_runtime::{
         (name = "network", description = "Network policy, exposed ports (the reverse proxy \
             at /v1/sandboxes/{id}/ports/{port}/… is not listed: any method, any path)"),
         (name = "audit", description = "The audit log"),
+        (name = "secrets", description = "Secrets: values go in, never come out; sandboxes' \
+            network rules use them through the host-side egress proxy"),
     )
 )]
 pub struct ApiDoc;
