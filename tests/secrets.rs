@@ -371,6 +371,48 @@ fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// The test's namespaces, PKI and upstream servers.
+struct Topo {
+    inet: Netns,
+    host: Netns,
+    pki: tempfile::TempDir,
+    log: PathBuf,
+    plain_fp: String,
+    _upstream: Upstream,
+}
+
+impl Topo {
+    /// Namespaces `emts-<tag>-{inet,host}-<pid>` with the peers of the module's diagram.
+    fn create(tag: &str) -> Topo {
+        let pid = std::process::id();
+        let inet = Netns::create(&format!("emts-{tag}-inet-{pid}"));
+        let host = Netns::create(&format!("emts-{tag}-host-{pid}"));
+        host.ip(&[
+            "link", "add", "up0", "type", "veth", "peer", "name", "eth0", "netns", &inet.name,
+        ]);
+        host.ip(&["addr", "add", &format!("{HOST_IP}/24"), "dev", "up0"]);
+        host.ip(&["link", "set", "up0", "up"]);
+        host.ip(&["route", "add", "default", "via", INET_IP]);
+        for a in [INET_IP, API_IP, PLAIN_IP, BAD_IP, DNS_IP] {
+            inet.ip(&["addr", "add", &format!("{a}/24"), "dev", "eth0"]);
+        }
+        inet.ip(&["link", "set", "eth0", "up"]);
+        dns_server(inet.run(|| UdpSocket::bind((DNS_IP, 53)).expect("bind dns")));
+        let pki = tempfile::tempdir().unwrap();
+        let plain_fp = make_certs(pki.path());
+        let log = pki.path().join("upstream.jsonl");
+        let upstream = start_upstream(&inet.name, pki.path(), &log);
+        Topo {
+            inet,
+            host,
+            pki,
+            log,
+            plain_fp,
+            _upstream: upstream,
+        }
+    }
+}
+
 #[test]
 fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
     let test = "credentials_are_added_at_the_edge_and_never_enter_the_sandbox";
@@ -379,26 +421,10 @@ fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
     }
     let t_all = Instant::now();
     template("default");
-    let pid = std::process::id();
-    let inet = Netns::create(&format!("emts-inet-{pid}"));
-    let host = Netns::create(&format!("emts-host-{pid}"));
-    host.ip(&[
-        "link", "add", "up0", "type", "veth", "peer", "name", "eth0", "netns", &inet.name,
-    ]);
-    host.ip(&["addr", "add", &format!("{HOST_IP}/24"), "dev", "up0"]);
-    host.ip(&["link", "set", "up0", "up"]);
-    host.ip(&["route", "add", "default", "via", INET_IP]);
-    for a in [INET_IP, API_IP, PLAIN_IP, BAD_IP, DNS_IP] {
-        inet.ip(&["addr", "add", &format!("{a}/24"), "dev", "eth0"]);
-    }
-    inet.ip(&["link", "set", "eth0", "up"]);
-    dns_server(inet.run(|| UdpSocket::bind((DNS_IP, 53)).expect("bind dns")));
-
-    let pki = tempfile::tempdir().unwrap();
-    let plain_fp = make_certs(pki.path());
-    let log = pki.path().join("upstream.jsonl");
-    let _upstream = start_upstream(&inet.name, pki.path(), &log);
-
+    let topo = Topo::create("a");
+    let (inet, host, pki, log, plain_fp) =
+        (&topo.inet, &topo.host, &topo.pki, &topo.log, &topo.plain_fp);
+    let _ = inet;
     let home = tempfile::Builder::new()
         .prefix("ember-secrets-test-")
         .tempdir()
@@ -493,7 +519,7 @@ fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
     assert_eq!(lines[0], "200||recorded by api-tls", "{out}");
     assert_eq!(lines[1], "200||recorded by api-tls", "{out}");
     assert_eq!(lines[2], "200||recorded by api-http", "{out}");
-    let recs = records(&log);
+    let recs = records(log);
     let want = format!("Bearer {v1}");
     for path in ["/v1/models", "/v1/forged", "/plain-http"] {
         let r = recs
@@ -517,7 +543,7 @@ fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
     );
     assert_eq!(out, "200 recorded by api-tls", "{out}");
     assert!(
-        records(&log)
+        records(log)
             .iter()
             .any(|r| r["path"] == "/exec" && r["headers"]["authorization"] == want.as_str()),
         "exec's request lacks the credential"
@@ -526,7 +552,7 @@ fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
     // 3. A host without rules is not intercepted: its own certificate reaches the guest.
     //    A rule host's address with another TLS name is refused (no credential, no bypass).
     //    A bad upstream certificate is a 502 with the reason.
-    let before = records(&log).len();
+    let before = records(log).len();
     let out = run_py(
         &rt,
         &id,
@@ -543,14 +569,14 @@ fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
     );
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.len(), 3, "{out}");
-    assert_eq!(lines[0], plain_fp, "plain.test was intercepted: {out}");
+    assert_eq!(lines[0], *plain_fp, "plain.test was intercepted: {out}");
     assert!(lines[1].starts_with("refused"), "{out}");
     assert!(
         lines[2].starts_with("502|upstream TLS") && lines[2].contains("certificate"),
         "{out}"
     );
     assert_eq!(
-        records(&log).len(),
+        records(log).len(),
         before,
         "an upstream got a request it should not have"
     );
@@ -560,21 +586,21 @@ fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
     rt.rotate_secret("apikey", &v2).unwrap();
     let out = run_py(&rt, &id, "print(get('https://api.test/rotated'))");
     assert_eq!(out, "200||recorded by api-tls");
-    let recs = records(&log);
+    let recs = records(log);
     let r = recs.iter().find(|r| r["path"] == "/rotated").unwrap();
     assert_eq!(
         r["headers"]["authorization"],
         format!("Bearer {v2}").as_str()
     );
     rt.delete_secret("apikey").unwrap();
-    let n = records(&log).len();
+    let n = records(log).len();
     let out = run_py(&rt, &id, "print(get('https://api.test/deleted'))");
     assert!(
         out.starts_with("502|header Authorization: no secret \"apikey\""),
         "{out}"
     );
     assert_eq!(
-        records(&log).len(),
+        records(log).len(),
         n,
         "a request went out without its credential"
     );
@@ -645,4 +671,154 @@ fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
     );
     // The time the test had, for the CI budget (3 min).
     assert!(t_all.elapsed() < Duration::from_secs(300));
+}
+
+/// `ember serve` in the test's host namespace, killed on drop.
+struct Serve {
+    child: Child,
+    url: String,
+    home: tempfile::TempDir,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        // SIGTERM first: the server then removes its host table. Its sandboxes were killed by
+        // the script (a leftover one goes with its timeout).
+        let _ = Command::new("kill")
+            .arg(self.child.id().to_string())
+            .status();
+        let t = Instant::now();
+        while matches!(self.child.try_wait(), Ok(None)) && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn the_e2b_sdk_creates_a_sandbox_with_rules_and_a_secret() {
+    let test = "the_e2b_sdk_creates_a_sandbox_with_rules_and_a_secret";
+    if !prerequisites(test) {
+        return;
+    }
+    let Some(venv) = std::env::var_os("EMBER_E2B_VENV").map(PathBuf::from) else {
+        skip(
+            test,
+            "no E2B Python SDK venv (EMBER_E2B_VENV; run `bash scripts/e2b-sdks.sh`)",
+        );
+        return;
+    };
+    template("default");
+    let topo = Topo::create("b");
+    // This thread (and so the server and the SDK's Python) in the test's host namespace
+    // (not `ip netns exec`, which mounts another /sys and hides the cgroup controllers).
+    enter_netns(&PathBuf::from("/run/netns").join(&topo.host.name));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let home = tempfile::Builder::new()
+        .prefix("ember-secrets-e2b-")
+        .tempdir()
+        .unwrap();
+    let log_file = std::fs::File::create(home.path().join("serve.log")).unwrap();
+    let child = Command::new(bin("ember"))
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--uplink", "up0", "--dns-upstream", DNS_IP])
+        .arg("--edge-upstream-ca")
+        .arg(topo.pki.path().join("ca.pem"))
+        // Another range than the in-process runtime of the other test of this file.
+        .args(["--uid-base", "260000"])
+        .env("EMBER_HOME", home.path())
+        .env("EMBER_VMM", bin("ember-vmm"))
+        .env("EMBER_JAILER", bin("ember-jailer"))
+        .stdin(Stdio::null())
+        .stdout(log_file.try_clone().unwrap())
+        .stderr(log_file)
+        .spawn()
+        .expect("start ember serve");
+    let srv = Serve {
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+        home,
+    };
+    let token_path = srv.home.path().join("token");
+    let t0 = Instant::now();
+    let ready = (|| {
+        while t0.elapsed() < Duration::from_secs(60) {
+            if ureq::get(&format!("{}/healthz", srv.url)).call().is_ok() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        false
+    })();
+    let serve_log =
+        || std::fs::read_to_string(srv.home.path().join("serve.log")).unwrap_or_default();
+    assert!(ready, "ember serve did not start: {}", serve_log());
+    eprintln!("ember serve ready in {:.1} s", t0.elapsed().as_secs_f64());
+    let token = std::fs::read_to_string(&token_path).expect("token");
+    let value = random_value("sk-ember-e2b");
+    let value2 = random_value("sk-ember-e2b-rotated");
+    let script = repo_root().join("tests/e2b/test_secrets.py");
+    let out = Command::new(venv.join("bin/python"))
+        .arg(&script)
+        .env("E2B_API_KEY", token.trim())
+        .env("E2B_API_URL", &srv.url)
+        .env("E2B_SANDBOX_URL", &srv.url)
+        .env("EMBER_TEST_SECRET", &value)
+        .env("EMBER_TEST_SECRET2", &value2)
+        .output()
+        .expect("run the SDK script");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "the SDK script failed:\n{stdout}\n{stderr}\nserver log:\n{}",
+        serve_log()
+    );
+    for v in [&value, &value2] {
+        assert!(!stdout.contains(v.as_str()) && !stderr.contains(v.as_str()));
+    }
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    assert_eq!(v["version"], 1, "{v}");
+    assert_eq!(v["rotated_version"], 2, "{v}");
+    assert_eq!(v["info_name"], "openai-key", "{v}");
+    assert_eq!(v["out_rotated"], "200", "{v}");
+    assert_eq!(v["destroyed"], true, "{v}");
+    assert_eq!(v["out"], "200 recorded by api-tls", "{v}");
+    assert_eq!(
+        v["network"]["rules"]["api.test"][0]["transform"]["headers"]["Authorization"],
+        "Bearer ${e2b.secrets.openai-key}",
+        "{v}"
+    );
+    assert_eq!(
+        v["network"]["allowOut"],
+        serde_json::json!(["api.test"]),
+        "{v}"
+    );
+    assert_eq!(v["listed"], serde_json::json!(["openai-key"]), "{v}");
+    assert_eq!(v["after_delete"], serde_json::json!([]), "{v}");
+    let recs = records(&topo.log);
+    let r = recs
+        .iter()
+        .find(|r| r["path"] == "/e2b-sdk")
+        .unwrap_or_else(|| panic!("no upstream record: {recs:?}"));
+    assert_eq!(
+        r["headers"]["authorization"],
+        format!("Bearer {value}").as_str()
+    );
+    let r = recs
+        .iter()
+        .find(|r| r["path"] == "/e2b-rotated")
+        .unwrap_or_else(|| panic!("no upstream record: {recs:?}"));
+    assert_eq!(
+        r["headers"]["authorization"],
+        format!("Bearer {value2}").as_str()
+    );
+    let hits = files_containing(srv.home.path(), &[&value, &value2]);
+    assert!(hits.is_empty(), "{hits:?}");
 }

@@ -80,7 +80,17 @@ pub(super) fn routes() -> Router<E2bState> {
         .route("/sandboxes/{id}/fork", post(fork))
         .route("/sandboxes/{id}/snapshots", post(snapshot))
         .route("/snapshots", get(list_snapshots))
-        .route("/templates/{id}", delete(delete_snapshot));
+        .route("/templates/{id}", delete(delete_snapshot))
+        .route(
+            "/secrets",
+            post(super::secrets::create).get(super::secrets::list),
+        )
+        .route(
+            "/secrets/{id}",
+            get(super::secrets::get)
+                .post(super::secrets::update)
+                .delete(super::secrets::delete),
+        );
     super::with_fallbacks(routes, "ember's E2B API")
 }
 
@@ -161,6 +171,7 @@ pub fn detail_json(st: &E2bState, info: &SandboxInfo) -> Value {
         "envdAccessToken": st.envd_token(&info.id),
         "domain": st.domain(),
         "allowInternetAccess": false,
+        "network": e2b_network_json(&info.network.policy),
         "lifecycle": {
             // Any envd or interpreter call resumes a paused sandbox.
             "autoResume": true,
@@ -175,6 +186,19 @@ pub fn detail_json(st: &E2bState, info: &SandboxInfo) -> Value {
         if state == "paused" {
             m.insert("pauseMode".into(), json!("full"));
         }
+    }
+    v
+}
+
+/// A policy as E2B's `SandboxNetworkConfig`: `allowOut`, `denyOut`, `rules` (header values
+/// as given: placeholders, never secrets' values).
+fn e2b_network_json(p: &ember_runtime::NetworkPolicy) -> Value {
+    let mut v = json!({
+        "allowOut": p.allow_cidrs.iter().chain(&p.allow_domains).collect::<Vec<_>>(),
+        "denyOut": p.deny_cidrs,
+    });
+    if !p.rules.is_empty() {
+        v["rules"] = json!(p.rules);
     }
     v
 }
@@ -288,6 +312,10 @@ pub struct E2bNetwork {
     /// Denied CIDRs (`0.0.0.0/0` with an allow list: only the allow list).
     #[serde(rename = "denyOut")]
     pub deny_out: Option<Vec<String>>,
+    /// Per-host request rules (`{"host": [{"transform": {"headers": {...}}}]}`), header
+    /// values with `${e2b.secrets.NAME}` placeholders: the egress proxy's rules. A host must
+    /// also be in `allowOut` when that is given.
+    pub rules: Option<BTreeMap<String, Vec<ember_runtime::netpolicy::policy::HostRule>>>,
 }
 
 /// ember's policy for an E2B create request.
@@ -306,6 +334,9 @@ pub fn e2b_policy(body: &NewSandbox, honour_internet: bool) -> ember_runtime::Ne
             }
         }
         p.deny_cidrs.extend(n.deny_out.iter().flatten().cloned());
+        for (host, rules) in n.rules.iter().flatten() {
+            p.rules.insert(host.to_ascii_lowercase(), rules.clone());
+        }
         if !p.allow_cidrs.is_empty() || !p.allow_domains.is_empty() || !p.deny_cidrs.is_empty() {
             p.mode = NetMode::Egress;
         }

@@ -40,6 +40,7 @@ pub mod envd;
 pub mod interp;
 pub mod route;
 pub mod rpc;
+pub mod secrets;
 pub mod target;
 pub mod tls;
 

@@ -126,9 +126,15 @@ pub fn classify(domain: Option<&str>, headers: &HeaderMap, uri: &Uri) -> Result<
         }
     }
     let path = uri.path();
-    if ["/sandboxes", "/v2/sandboxes", "/snapshots", "/templates"]
-        .iter()
-        .any(|p| is_under(path, p))
+    if [
+        "/sandboxes",
+        "/v2/sandboxes",
+        "/snapshots",
+        "/templates",
+        "/secrets",
+    ]
+    .iter()
+    .any(|p| is_under(path, p))
     {
         return Ok(Traffic::Control);
     }
@@ -427,6 +433,8 @@ mod tests {
             "/v2/sandboxes/x/connect",
             "/snapshots",
             "/templates/x",
+            "/secrets",
+            "/secrets/openai",
         ] {
             assert_eq!(
                 classify(None, &h, &uri(p)).unwrap(),
