@@ -451,10 +451,29 @@ fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
         "rules": {
             "api.test": [{"transform": {"headers": {"Authorization": "Bearer ${secrets.apikey}"}}}],
             "bad.test": [{"transform": {"headers": {"X-Api-Key": "${secrets.apikey}"}}}],
+            "nx.test": [{"transform": {"headers": {"X-Api-Key": "${secrets.apikey}"}}}],
         }
     }))
     .unwrap();
     assert_eq!(policy.mode, NetMode::Egress);
+    // A rule that names a secret that does not exist is refused at create.
+    let mut missing = policy.clone();
+    missing.rules.get_mut("api.test").unwrap()[0]
+        .transform
+        .headers
+        .insert("X-Other".into(), "${secrets.nope}".into());
+    let e = rt
+        .create(&CreateRequest {
+            template: Some("default".into()),
+            network: missing,
+            ..Default::default()
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("\"nope\"") && e.contains("does not exist"),
+        "{e}"
+    );
     let t0 = Instant::now();
     let id = rt
         .create(&CreateRequest {
@@ -565,10 +584,14 @@ fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
          \x20   print('connected'); s.close()\n\
          except Exception as e:\n\
          \x20   print('refused', type(e).__name__)\n\
-         print(get('https://bad.test/x'))",
+         print(get('https://bad.test/x'))\n\
+         print(get('http://172.30.0.1:15080/x', headers={'Host': 'nx.test'}))",
     );
     let lines: Vec<&str> = out.lines().collect();
-    assert_eq!(lines.len(), 3, "{out}");
+    assert_eq!(lines.len(), 4, "{out}");
+    // A rule host that does not resolve (asked of the proxy directly: the guest's own lookup
+    // fails first otherwise).
+    assert!(lines[3].starts_with("502|cannot resolve"), "{out}");
     assert_eq!(lines[0], *plain_fp, "plain.test was intercepted: {out}");
     assert!(lines[1].starts_with("refused"), "{out}");
     assert!(
@@ -607,7 +630,7 @@ fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
     let stats = rt.network(&id).unwrap().stats.expect("stats");
     let edge = stats.edge.expect("edge stats");
     eprintln!("edge stats: {edge:?}");
-    assert!(edge.failed == 2 && edge.refused_connections == 1 && edge.forwarded == 5);
+    assert!(edge.failed == 3 && edge.refused_connections == 1 && edge.forwarded == 5);
 
     // 5. The pause snapshot (guest memory) and everything else under $EMBER_HOME hold
     //    neither value.

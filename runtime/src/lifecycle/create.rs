@@ -240,6 +240,18 @@ impl Runtime {
             req.network
                 .validate()
                 .map_err(|e| RuntimeError::Invalid(format!("network: {e}")))?;
+            // A rule naming a secret that does not exist is a mistake to report now, not a
+            // 502 at the first request.
+            let names = req.network.rule_secrets();
+            if !names.is_empty() {
+                let have = self.list_secrets()?;
+                if let Some(missing) = names.iter().find(|n| !have.iter().any(|s| &s.name == *n)) {
+                    return Err(RuntimeError::Invalid(format!(
+                        "network: rules use secret {missing:?}, which does not exist (create it \
+                         first: POST /v1/secrets, `ember secret create`)"
+                    )));
+                }
+            }
         }
         let resources = Resources {
             vcpus: src.vcpus,

@@ -933,6 +933,7 @@ mod boundaries {
         ("process.rs", include_str!("process.rs")),
         ("route.rs", include_str!("route.rs")),
         ("rpc.rs", include_str!("rpc.rs")),
+        ("secrets.rs", include_str!("secrets.rs")),
         ("target.rs", include_str!("target.rs")),
         ("tls.rs", include_str!("tls.rs")),
     ];
