@@ -18,10 +18,10 @@
 //! The upstream servers are Python's `http.server` behind `ssl`, with certificates the test
 //! makes with the `openssl` binary; the runtime's egress proxy trusts the test's CA only
 //! (`NetOptions::edge_upstream_ca`). `requests` is not in the default template: the test
-//! unpacks the wheels the repository carries (requests, urllib3, idna, certifi,
-//! charset_normalizer) into the guest's /tmp. curl and Node are not in the default template
-//! either; the exec path is covered with `python3 -c` and urllib (OpenSSL's store through
-//! `SSL_CERT_FILE`).
+//! zips it (with urllib3, idna, certifi, charset_normalizer) from a host Python that has it
+//! (moto's venv, `EMBER_MOTO_SERVER`) and unpacks it in the guest's /tmp. curl and Node are
+//! not in the default template either; the exec path is covered with `python3 -c` and urllib
+//! (OpenSSL's store through `SSL_CERT_FILE`).
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, UdpSocket};
@@ -351,7 +351,7 @@ fn exec_out(rt: &Runtime, id: &str, argv: &[&str]) -> String {
 const GUEST_HELPERS: &str = r#"
 import glob, sys, zipfile
 if "/tmp/site" not in sys.path:
-    for w in glob.glob("/tmp/wheels/*.whl"):
+    for w in glob.glob("/tmp/wheels/*.zip"):
         zipfile.ZipFile(w).extractall("/tmp/site")
     sys.path.insert(0, "/tmp/site")
 import requests
@@ -363,6 +363,36 @@ def get(url, **kw):
         return "ERR|" + type(e).__name__ + "|" + str(e)[:300]
 print("helpers ready", requests.__version__)
 "#;
+
+/// Zips requests and its dependencies from a host Python that has them: the venv of moto's
+/// server (`EMBER_MOTO_SERVER`, which CI installs; moto depends on requests), else `python3`.
+fn requests_bundle(out: &Path) {
+    let python = std::env::var_os("EMBER_MOTO_SERVER")
+        .map(|m| PathBuf::from(m).with_file_name("python"))
+        .filter(|p| p.exists())
+        .unwrap_or_else(|| PathBuf::from("python3"));
+    let code = "import importlib, os, sys, zipfile\n\
+                z = zipfile.ZipFile(sys.argv[1], 'w', zipfile.ZIP_DEFLATED)\n\
+                for m in ['requests', 'urllib3', 'idna', 'certifi', 'charset_normalizer']:\n\
+                \x20   d = os.path.dirname(importlib.import_module(m).__file__)\n\
+                \x20   for root, _, fs in os.walk(d):\n\
+                \x20       if '__pycache__' in root: continue\n\
+                \x20       for f in fs:\n\
+                \x20           p = os.path.join(root, f)\n\
+                \x20           z.write(p, os.path.relpath(p, os.path.dirname(d)))\n\
+                z.close()\n";
+    let o = Command::new(&python)
+        .args(["-c", code])
+        .arg(out)
+        .output()
+        .expect("python");
+    assert!(
+        o.status.success(),
+        "no host Python with requests ({}; run scripts/s3-server.sh, whose venv has it): {}",
+        python.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
 
 fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -496,26 +526,13 @@ fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
         "{net}"
     );
 
-    // requests, from the wheels the repository carries.
-    let root = repo_root();
-    for w in std::fs::read_dir(&root).unwrap().flatten() {
-        let name = w.file_name().to_string_lossy().into_owned();
-        if [
-            "requests-",
-            "urllib3-",
-            "idna-",
-            "certifi-",
-            "charset_normalizer-",
-        ]
-        .iter()
-        .any(|p| name.starts_with(p))
-            && name.ends_with(".whl")
-        {
-            let mut f = std::fs::File::open(w.path()).unwrap();
-            rt.write_file(&id, &format!("/tmp/wheels/{name}"), &mut f)
-                .unwrap_or_else(|e| panic!("upload {name}: {e}"));
-        }
-    }
+    // requests (not in the default template): its packages from a host Python that has them,
+    // zipped and unpacked in the guest's /tmp.
+    let bundle = pki.path().join("requests.zip");
+    requests_bundle(&bundle);
+    let mut f = std::fs::File::open(&bundle).unwrap();
+    rt.write_file(&id, "/tmp/wheels/requests.zip", &mut f)
+        .unwrap_or_else(|e| panic!("upload the requests bundle: {e}"));
     let ready = run_py(&rt, &id, GUEST_HELPERS);
     assert!(ready.starts_with("helpers ready"), "{ready}");
 
@@ -783,12 +800,87 @@ fn the_e2b_sdk_creates_a_sandbox_with_rules_and_a_secret() {
     assert!(ready, "ember serve did not start: {}", serve_log());
     eprintln!("ember serve ready in {:.1} s", t0.elapsed().as_secs_f64());
     let token = std::fs::read_to_string(&token_path).expect("token");
+    let token = token.trim().to_string();
+
+    // The native routes and the CLI: a value goes in, never comes out.
+    let native = random_value("sk-ember-native");
+    let auth = format!("Bearer {token}");
+    let created: serde_json::Value = ureq::post(&format!("{}/v1/secrets", srv.url))
+        .set("Authorization", &auth)
+        .send_json(serde_json::json!({"name": "native", "value": native, "description": "d"}))
+        .unwrap_or_else(|e| panic!("POST /v1/secrets: {e}"))
+        .into_json()
+        .unwrap();
+    assert_eq!(created["version"], 1, "{created}");
+    let dup = ureq::post(&format!("{}/v1/secrets", srv.url))
+        .set("Authorization", &auth)
+        .send_json(serde_json::json!({"name": "native", "value": "x"}));
+    assert!(matches!(dup, Err(ureq::Error::Status(409, _))), "{dup:?}");
+    let rotated: serde_json::Value = ureq::put(&format!("{}/v1/secrets/native", srv.url))
+        .set("Authorization", &auth)
+        .send_json(serde_json::json!({"value": format!("{native}-2")}))
+        .unwrap()
+        .into_json()
+        .unwrap();
+    assert_eq!(rotated["version"], 2, "{rotated}");
+    let cli = |args: &[&str], stdin: &str| {
+        use std::io::Write;
+        let mut c = Command::new(bin("ember"))
+            .args(args)
+            .env("EMBER_URL", &srv.url)
+            .env("EMBER_TOKEN", &token)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("ember");
+        c.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+        let o = c.wait_with_output().unwrap();
+        assert!(
+            o.status.success(),
+            "ember {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let cli_value = random_value("sk-ember-cli");
+    assert_eq!(
+        cli(&["secret", "create", "from-cli"], &format!("{cli_value}\n")).trim(),
+        "from-cli (version 1)"
+    );
+    let listed = cli(&["secret", "ls", "--json"], "");
+    let listed_http = ureq::get(&format!("{}/v1/secrets", srv.url))
+        .set("Authorization", &auth)
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    for text in [&listed, &listed_http] {
+        assert!(
+            text.contains("\"native\"") && text.contains("\"from-cli\""),
+            "{text}"
+        );
+        assert!(
+            !text.contains(&native) && !text.contains(&cli_value),
+            "{text}"
+        );
+    }
+    cli(&["secret", "rm", "from-cli"], "");
+    let gone = ureq::delete(&format!("{}/v1/secrets/native", srv.url))
+        .set("Authorization", &auth)
+        .call();
+    assert!(gone.is_ok(), "{gone:?}");
+    let gone = ureq::delete(&format!("{}/v1/secrets/native", srv.url))
+        .set("Authorization", &auth)
+        .call();
+    assert!(matches!(gone, Err(ureq::Error::Status(404, _))), "{gone:?}");
+
     let value = random_value("sk-ember-e2b");
     let value2 = random_value("sk-ember-e2b-rotated");
     let script = repo_root().join("tests/e2b/test_secrets.py");
     let out = Command::new(venv.join("bin/python"))
         .arg(&script)
-        .env("E2B_API_KEY", token.trim())
+        .env("E2B_API_KEY", &token)
         .env("E2B_API_URL", &srv.url)
         .env("E2B_SANDBOX_URL", &srv.url)
         .env("EMBER_TEST_SECRET", &value)
@@ -842,6 +934,6 @@ fn the_e2b_sdk_creates_a_sandbox_with_rules_and_a_secret() {
         r["headers"]["authorization"],
         format!("Bearer {value2}").as_str()
     );
-    let hits = files_containing(srv.home.path(), &[&value, &value2]);
+    let hits = files_containing(srv.home.path(), &[&value, &value2, &native, &cli_value]);
     assert!(hits.is_empty(), "{hits:?}");
 }

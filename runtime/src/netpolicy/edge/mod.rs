@@ -61,6 +61,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Failures kept as samples.
 const MAX_SAMPLES: usize = 16;
+/// Most connections from one sandbox the proxy serves at once (more are closed at once,
+/// counted as refused): the guest cannot tie up the server's memory and sockets.
+pub const MAX_CONNECTIONS: usize = 64;
 
 /// A sandbox's proxy counters (in `GET /sandboxes/{id}/network`'s `stats.edge`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -176,6 +179,7 @@ pub struct EdgeSandbox {
     /// Addresses denied besides the policy's: the host's own and the sandboxes' pool.
     extra_deny: Vec<Cidr4>,
     stats: Mutex<EdgeStats>,
+    connections: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for EdgeSandbox {
@@ -200,6 +204,7 @@ impl EdgeSandbox {
             resolver,
             extra_deny,
             stats: Mutex::new(EdgeStats::default()),
+            connections: Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS)),
         }
     }
 
@@ -232,6 +237,16 @@ impl EdgeSandbox {
     fn bump(&self, f: impl FnOnce(&mut EdgeStats)) {
         let mut s = self.stats.lock().unwrap_or_else(|p| p.into_inner());
         f(&mut s);
+    }
+
+    /// A place for one more connection, or None (counted) when the sandbox has
+    /// [`MAX_CONNECTIONS`].
+    fn admit(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let p = self.connections.clone().try_acquire_owned().ok();
+        if p.is_none() {
+            self.bump(|s| s.refused_connections += 1);
+        }
+        p
     }
 
     fn sample(&self, line: String) {
@@ -314,8 +329,14 @@ pub async fn serve_tls(
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
+        let Some(permit) = sb.admit() else {
+            continue;
+        };
         let (shared, sb) = (shared.clone(), sb.clone());
-        tokio::spawn(async move { tls_connection(shared, sb, stream).await });
+        tokio::spawn(async move {
+            tls_connection(shared, sb, stream).await;
+            drop(permit);
+        });
     }
 }
 
@@ -335,9 +356,13 @@ pub async fn serve_http(
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
+        let Some(permit) = sb.admit() else {
+            continue;
+        };
         let (shared, sb) = (shared.clone(), sb.clone());
         tokio::spawn(async move {
             serve_requests(shared, sb, TokioIo::new(stream), None).await;
+            drop(permit);
         });
     }
 }
