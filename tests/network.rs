@@ -967,6 +967,7 @@ fn namespaces_and_rules_without_a_vm() {
         bandwidth_kib: Some(512),
         max_connections: Some(16),
         rules: Default::default(),
+        egress_proxy: None,
     };
     // The cost a networked sandbox adds to create and kill (reported, not asserted).
     let mut ms = Vec::new();

@@ -38,6 +38,7 @@ const API_IP: &str = "198.51.100.30";
 const PLAIN_IP: &str = "198.51.100.31";
 const BAD_IP: &str = "198.51.100.32";
 const DNS_IP: &str = "198.51.100.53";
+const SOCKS_IP: &str = "198.51.100.40";
 
 fn prerequisites(test: &str) -> bool {
     let missing: Vec<&str> = [
@@ -158,6 +159,42 @@ serve("198.51.100.30", 443, "api-tls", "api")
 serve("198.51.100.30", 80, "api-http")
 serve("198.51.100.31", 443, "plain-tls", "plain")
 serve("198.51.100.32", 443, "bad-tls", "bad")
+def socks(addr, port):
+    # A SOCKS5 proxy (no authentication, CONNECT by IPv4) that records each CONNECT.
+    import socket
+    l = socket.create_server((addr, port))
+    def pipe(a, b):
+        try:
+            while (d := a.recv(65536)):
+                b.sendall(d)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+    def one(c):
+        try:
+            c.recv(3)
+            c.sendall(b"\x05\x00")
+            req = c.recv(10)
+            ip = socket.inet_ntoa(req[4:8])
+            port = int.from_bytes(req[8:10], "big")
+            with lock, open(log, "a") as f:
+                f.write(json.dumps({"server": "socks", "path": f"{ip}:{port}"}) + "\n")
+            u = socket.create_connection((ip, port), timeout=10)
+            c.sendall(b"\x05\x00\x00\x01" + bytes(4) + bytes(2))
+            threading.Thread(target=pipe, args=(c, u), daemon=True).start()
+            pipe(u, c)
+        except OSError:
+            c.close()
+    def loop():
+        while True:
+            c, _ = l.accept()
+            threading.Thread(target=one, args=(c,), daemon=True).start()
+    threading.Thread(target=loop, daemon=True).start()
+socks("198.51.100.40", 1080)
 print("ready", flush=True)
 threading.Event().wait()
 "#;
@@ -423,7 +460,7 @@ impl Topo {
         host.ip(&["addr", "add", &format!("{HOST_IP}/24"), "dev", "up0"]);
         host.ip(&["link", "set", "up0", "up"]);
         host.ip(&["route", "add", "default", "via", INET_IP]);
-        for a in [INET_IP, API_IP, PLAIN_IP, BAD_IP, DNS_IP] {
+        for a in [INET_IP, API_IP, PLAIN_IP, BAD_IP, DNS_IP, SOCKS_IP] {
             inet.ip(&["addr", "add", &format!("{a}/24"), "dev", "eth0"]);
         }
         inet.ip(&["link", "set", "eth0", "up"]);
@@ -621,6 +658,41 @@ fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
         "an upstream got a request it should not have"
     );
 
+    // 3b. egress_proxy: what the policy admits goes through the SOCKS5 proxy, the egress
+    //     proxy's own upstream connections included; then back to direct.
+    let mut with_socks = rt.network(&id).unwrap().network.policy;
+    with_socks.egress_proxy = Some(ember_runtime::netpolicy::policy::EgressProxy {
+        address: format!("{SOCKS_IP}:1080"),
+    });
+    rt.set_network(&id, &with_socks)
+        .unwrap_or_else(|e| panic!("set_network with egress_proxy: {e}"));
+    let out = run_py(
+        &rt,
+        &id,
+        "import hashlib, socket, ssl\n\
+         c = ssl.create_default_context(); c.check_hostname = False; c.verify_mode = ssl.CERT_NONE\n\
+         s = c.wrap_socket(socket.create_connection(('plain.test', 443), timeout=15), server_hostname='plain.test')\n\
+         print(hashlib.sha256(s.getpeercert(True)).hexdigest()); s.close()\n\
+         print(get('https://api.test/via-socks'))",
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    assert_eq!(lines[0], *plain_fp, "{out}");
+    assert_eq!(lines[1], "200||recorded by api-tls", "{out}");
+    let recs = records(log);
+    for dst in [format!("{PLAIN_IP}:443"), format!("{API_IP}:443")] {
+        assert!(
+            recs.iter()
+                .any(|r| r["server"] == "socks" && r["path"] == dst.as_str()),
+            "no CONNECT {dst} at the SOCKS5 proxy: {recs:?}"
+        );
+    }
+    assert!(recs
+        .iter()
+        .any(|r| r["path"] == "/via-socks" && r["headers"]["authorization"] == want.as_str()));
+    with_socks.egress_proxy = None;
+    rt.set_network(&id, &with_socks).unwrap();
+
     // 4. Rotation applies to the next request; a deleted secret is a 502, never a request
     //    without the credential.
     rt.rotate_secret("apikey", &v2).unwrap();
@@ -647,7 +719,12 @@ fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
     let stats = rt.network(&id).unwrap().stats.expect("stats");
     let edge = stats.edge.expect("edge stats");
     eprintln!("edge stats: {edge:?}");
-    assert!(edge.failed == 3 && edge.refused_connections == 1 && edge.forwarded == 5);
+    assert!(
+        edge.failed == 3
+            && edge.refused_connections == 1
+            && edge.forwarded == 6
+            && edge.relayed >= 1
+    );
 
     // 5. The pause snapshot (guest memory) and everything else under $EMBER_HOME hold
     //    neither value.

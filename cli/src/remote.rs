@@ -200,6 +200,7 @@ impl PolicyArgs {
             bandwidth_kib: self.bandwidth_kib,
             max_connections: self.max_connections,
             rules: Default::default(),
+            egress_proxy: None,
         };
         let mut p = p;
         for r in &self.rules {

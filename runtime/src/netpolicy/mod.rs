@@ -367,7 +367,7 @@ impl NetManager {
         policy: &NetworkPolicy,
         h: &HostState,
     ) -> Result<(), NetError> {
-        if policy.rules.is_empty() {
+        if policy.rules.is_empty() && policy.egress_proxy.is_none() {
             if let Some((_, stop)) = st.edge.take() {
                 let _ = stop.send(true);
             }
@@ -428,12 +428,14 @@ impl NetManager {
                 .map_err(|e| e.to_string())?
             })
         });
-        let (tls_l, http_l) = in_netns(&net.path, || -> std::io::Result<_> {
+        let (tls_l, http_l, relay_l) = in_netns(&net.path, || -> std::io::Result<_> {
             let t = std::net::TcpListener::bind((GATEWAY, edge::TLS_PORT))?;
             t.set_nonblocking(true)?;
             let p = std::net::TcpListener::bind((GATEWAY, edge::HTTP_PORT))?;
             p.set_nonblocking(true)?;
-            Ok((t, p))
+            let r = std::net::TcpListener::bind((GATEWAY, edge::SOCKS_RELAY_PORT))?;
+            r.set_nonblocking(true)?;
+            Ok((t, p, r))
         })?
         .map_err(sys("binding the egress proxy's listeners"))?;
         let Some(rt) = &self.rt else {
@@ -454,7 +456,10 @@ impl NetManager {
                 tls_l,
                 rx.clone(),
             ));
-            rt.spawn(edge::serve_http(shared, sb.clone(), http_l, rx));
+            let relay_l =
+                tokio::net::TcpListener::from_std(relay_l).map_err(sys("egress proxy socket"))?;
+            rt.spawn(edge::serve_http(shared, sb.clone(), http_l, rx.clone()));
+            rt.spawn(edge::serve_socks_relay(sb.clone(), relay_l, rx));
         }
         resolver.set_answer_hook(Some(hook));
         st.edge = Some((sb, stop));
@@ -689,7 +694,7 @@ impl NetManager {
             return self.apply_edge(net, &mut st, policy, h);
         }
         let Some(upstream) = h.upstream else {
-            if !policy.rules.is_empty() {
+            if !policy.rules.is_empty() || policy.egress_proxy.is_some() {
                 return Err(NetError::Config(
                     "rules need the sandbox's resolver, and this host has no upstream \
                      resolver (no nameserver in /etc/resolv.conf and no --dns-upstream)"

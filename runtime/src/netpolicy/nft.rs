@@ -281,6 +281,48 @@ pub fn sandbox(policy: &NetworkPolicy, side: &SandboxSide, initial: bool) -> Val
             );
         }
     }
+    if policy.mode == NetMode::Egress && policy.egress_proxy.is_some() {
+        // Every other TCP connection the forward chain would admit goes to the SOCKS5 relay
+        // instead (the same order: allow4, deny4, then dns4 when names are listed); what it
+        // would refuse is not redirected, and the forward chain refuses it as before.
+        let tcp_new = || {
+            vec![
+                m(tap(), json!(TAP)),
+                m(meta("l4proto"), json!("tcp")),
+                ne(daddr(), json!(side.gateway.to_string())),
+            ]
+        };
+        let relay = || {
+            json!({"dnat": {"family": "ip", "addr": side.gateway.to_string(),
+                             "port": super::edge::SOCKS_RELAY_PORT}})
+        };
+        let mut r = tcp_new();
+        r.push(m(daddr(), json!("@allow4")));
+        r.push(relay());
+        t.rule("prerouting", r);
+        let mut r = tcp_new();
+        r.push(m(daddr(), json!("@deny4")));
+        r.push(json!({"return": null}));
+        t.rule("prerouting", r);
+        let mut r = tcp_new();
+        if !policy.allow_domains.is_empty() {
+            r.push(m(daddr(), json!("@dns4")));
+        }
+        r.push(relay());
+        t.rule("prerouting", r);
+        t.rule(
+            "input",
+            vec![
+                m(tap(), json!(TAP)),
+                m(daddr(), json!(side.gateway.to_string())),
+                m(
+                    json!({"payload": {"protocol": "tcp", "field": "dport"}}),
+                    json!(super::edge::SOCKS_RELAY_PORT),
+                ),
+                json!({"accept": null}),
+            ],
+        );
+    }
     t.rule(
         "input",
         vec![m(tap(), json!(TAP)), json!({"jump": {"target": "denied"}})],
@@ -606,6 +648,15 @@ mod tests {
         for needle in ["\"@edge4\"", "\"dnat\"", "15443", "15080"] {
             assert!(text.contains(needle), "{needle} missing: {text}");
         }
+        assert!(!text.contains("15081"), "{text}");
+        p.egress_proxy = Some(super::super::policy::EgressProxy {
+            address: "192.0.2.9:1080".into(),
+        });
+        let text = sandbox(&p, &side(), false).to_string();
+        assert!(
+            text.contains("15081") && text.contains("\"return\""),
+            "{text}"
+        );
         let e = set_elements("edge4", &[("192.0.2.1".parse().unwrap(), 60)]);
         assert_eq!(e["nftables"][0]["add"]["element"]["name"], "edge4");
     }
@@ -620,6 +671,7 @@ mod tests {
             bandwidth_kib: Some(512),
             max_connections: Some(20),
             rules: Default::default(),
+            egress_proxy: None,
         };
         let v = sandbox(&p, &side(), true);
         let again = sandbox(&p, &side(), false).to_string();

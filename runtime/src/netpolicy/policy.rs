@@ -75,6 +75,29 @@ pub struct NetworkPolicy {
     /// Needs mode `egress`; with `allow_domains` set, each host must be allowed there too.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub rules: BTreeMap<String, Vec<HostRule>>,
+    /// A SOCKS5 proxy (no authentication) that every TCP connection the policy admits is
+    /// tunnelled through, from the host side (E2B's `egress_proxy`); the egress proxy's own
+    /// upstream connections too. Needs mode `egress`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_proxy: Option<EgressProxy>,
+}
+
+/// A SOCKS5 proxy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EgressProxy {
+    /// `IPv4:PORT`. The address is checked against the deny list like any destination
+    /// (`allow_cidrs` to reach a private one).
+    pub address: String,
+}
+
+impl EgressProxy {
+    /// The parsed address.
+    pub fn socket_addr(&self) -> Result<std::net::SocketAddrV4, String> {
+        self.address
+            .parse()
+            .map_err(|_| format!("egress_proxy: address {:?} is not IPv4:PORT", self.address))
+    }
 }
 
 /// One rule of a host.
@@ -130,6 +153,15 @@ impl NetworkPolicy {
     }
 
     fn validate_rules(&self) -> Result<(), String> {
+        if let Some(p) = &self.egress_proxy {
+            let a = p.socket_addr()?;
+            if self.mode != NetMode::Egress {
+                return Err("egress_proxy needs mode \"egress\"".into());
+            }
+            if a.port() == 0 {
+                return Err("egress_proxy: port 0".into());
+            }
+        }
         if self.rules.is_empty() {
             return Ok(());
         }

@@ -200,6 +200,9 @@ fn e2b_network_json(p: &ember_runtime::NetworkPolicy) -> Value {
     if !p.rules.is_empty() {
         v["rules"] = json!(p.rules);
     }
+    if let Some(e) = &p.egress_proxy {
+        v["egressProxy"] = json!({ "address": e.address });
+    }
     v
 }
 
@@ -316,6 +319,32 @@ pub struct E2bNetwork {
     /// values with `${e2b.secrets.NAME}` placeholders: the egress proxy's rules. A host must
     /// also be in `allowOut` when that is given.
     pub rules: Option<BTreeMap<String, Vec<ember_runtime::netpolicy::policy::HostRule>>>,
+    /// `{"address": "IPv4:PORT"}`: a SOCKS5 proxy for the sandbox's TCP (ember's
+    /// `egress_proxy`; `username`, `password` and `tls` are refused).
+    #[serde(rename = "egressProxy")]
+    pub egress_proxy: Option<Value>,
+}
+
+/// The `egressProxy` of a create, or why ember cannot honour it.
+fn e2b_egress_proxy(v: &Value) -> Result<ember_runtime::netpolicy::policy::EgressProxy, String> {
+    let obj = v
+        .as_object()
+        .ok_or("network.egressProxy: expected an object with an address")?;
+    for k in obj.keys() {
+        if k != "address" {
+            return Err(format!(
+                "network.egressProxy.{k}: not supported by ember (a SOCKS5 proxy without \
+                 authentication or TLS, at an IPv4:PORT address)"
+            ));
+        }
+    }
+    let address = obj
+        .get("address")
+        .and_then(Value::as_str)
+        .ok_or("network.egressProxy: no address")?;
+    Ok(ember_runtime::netpolicy::policy::EgressProxy {
+        address: address.to_string(),
+    })
 }
 
 /// ember's policy for an E2B create request.
@@ -337,6 +366,10 @@ pub fn e2b_policy(body: &NewSandbox, honour_internet: bool) -> ember_runtime::Ne
         for (host, rules) in n.rules.iter().flatten() {
             p.rules.insert(host.to_ascii_lowercase(), rules.clone());
         }
+        p.egress_proxy = n
+            .egress_proxy
+            .as_ref()
+            .and_then(|v| e2b_egress_proxy(v).ok());
         if !p.allow_cidrs.is_empty() || !p.allow_domains.is_empty() || !p.deny_cidrs.is_empty() {
             p.mode = NetMode::Egress;
         }
@@ -367,6 +400,9 @@ async fn create(
 ) -> Answer<Response> {
     let requested = body.template_id.clone().unwrap_or_else(|| "base".into());
     let template = resolve_template(&st, &requested);
+    if let Some(v) = body.network.as_ref().and_then(|n| n.egress_proxy.as_ref()) {
+        e2b_egress_proxy(v).map_err(E2bError::invalid)?;
+    }
     let req = CreateRequest {
         template: Some(template),
         timeout_secs: body.timeout,
@@ -896,5 +932,29 @@ mod tests {
         assert_eq!(p.allow_domains, ["pypi.org"]);
         assert_eq!(p.deny_cidrs, ["0.0.0.0/0"]);
         p.validate().unwrap();
+    }
+
+    #[test]
+    fn e2b_rules_and_egress_proxy_map_and_show_as_placeholders() {
+        let body: NewSandbox = serde_json::from_value(serde_json::json!({
+            "network": {"allowOut": ["API.example.com"],
+                        "rules": {"API.example.com": [{"transform": {"headers":
+                            {"Authorization": "Bearer ${e2b.secrets.openai}"}}}]},
+                        "egressProxy": {"address": "192.0.2.9:1080"}},
+        }))
+        .unwrap();
+        let p = e2b_policy(&body, false);
+        assert_eq!(p.mode, NetMode::Egress);
+        assert!(p.rules.contains_key("api.example.com"));
+        assert_eq!(p.egress_proxy.as_ref().unwrap().address, "192.0.2.9:1080");
+        let shown = e2b_network_json(&p);
+        assert_eq!(
+            shown["rules"]["api.example.com"][0]["transform"]["headers"]["Authorization"],
+            "Bearer ${e2b.secrets.openai}"
+        );
+        assert_eq!(shown["egressProxy"]["address"], "192.0.2.9:1080");
+        let e =
+            e2b_egress_proxy(&serde_json::json!({"address": "x:1", "password": "p"})).unwrap_err();
+        assert!(e.contains("password"), "{e}");
     }
 }

@@ -24,7 +24,8 @@
 pub mod ca;
 
 use std::convert::Infallible;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -34,6 +35,7 @@ use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use utoipa::ToSchema;
 
@@ -45,6 +47,8 @@ use crate::secrets::{SecretError, Secrets};
 pub const TLS_PORT: u16 = 15443;
 /// The HTTP listener's port on the gateway address.
 pub const HTTP_PORT: u16 = 15080;
+/// The SOCKS5 relay's port on the gateway address (a policy with `egress_proxy`).
+pub const SOCKS_RELAY_PORT: u16 = 15081;
 /// The response header that says why the proxy answered 502 itself.
 pub const ERROR_HEADER: &str = "x-ember-edge-error";
 /// Where sandboxes with rules find the CA bundle (the system's roots and the proxy's CA).
@@ -76,6 +80,9 @@ pub struct EdgeStats {
     pub failed: u64,
     /// Connections refused before any request (a TLS name that is not a rule host).
     pub refused_connections: u64,
+    /// Connections tunnelled through the policy's `egress_proxy`.
+    #[serde(default)]
+    pub relayed: u64,
     /// The latest failures, `host: reason` (never a secret's value).
     pub failures: Vec<String>,
 }
@@ -274,6 +281,153 @@ impl EdgeSandbox {
             .chain(self.extra_deny.iter().copied())
             .any(|c| c.contains(ip));
         !denied
+    }
+}
+
+impl EdgeSandbox {
+    /// A connection to `addr`: direct, or through the policy's SOCKS5 proxy.
+    async fn connect(
+        &self,
+        policy: &NetworkPolicy,
+        addr: SocketAddr,
+    ) -> std::io::Result<TcpStream> {
+        let SocketAddr::V4(dst) = addr else {
+            return Err(std::io::Error::other("IPv6 is not reachable"));
+        };
+        match &policy.egress_proxy {
+            None => TcpStream::connect(addr).await,
+            Some(p) => {
+                let proxy = p.socket_addr().map_err(std::io::Error::other)?;
+                if !self.admits(policy, *proxy.ip()) {
+                    return Err(std::io::Error::other(format!(
+                        "the egress proxy {proxy} is denied by the policy (allow_cidrs)"
+                    )));
+                }
+                socks5_connect(proxy, dst).await
+            }
+        }
+    }
+}
+
+/// A TCP connection to `dst` through the SOCKS5 proxy at `proxy` (no authentication,
+/// CONNECT by address).
+pub async fn socks5_connect(proxy: SocketAddrV4, dst: SocketAddrV4) -> std::io::Result<TcpStream> {
+    let bad = |what: String| std::io::Error::other(format!("SOCKS5 proxy {proxy}: {what}"));
+    let mut s = TcpStream::connect(proxy).await?;
+    s.write_all(&[5, 1, 0]).await?;
+    let mut hello = [0u8; 2];
+    s.read_exact(&mut hello).await?;
+    if hello != [5, 0] {
+        return Err(bad(format!(
+            "refused the no-authentication method ({hello:?})"
+        )));
+    }
+    let mut req = vec![5, 1, 0, 1];
+    req.extend_from_slice(&dst.ip().octets());
+    req.extend_from_slice(&dst.port().to_be_bytes());
+    s.write_all(&req).await?;
+    let mut head = [0u8; 4];
+    s.read_exact(&mut head).await?;
+    if head[0] != 5 || head[1] != 0 {
+        return Err(bad(format!("CONNECT {dst} answered code {}", head[1])));
+    }
+    let rest = match head[3] {
+        1 => 4 + 2,
+        4 => 16 + 2,
+        3 => {
+            let mut n = [0u8; 1];
+            s.read_exact(&mut n).await?;
+            usize::from(n[0]) + 2
+        }
+        t => return Err(bad(format!("unknown address type {t} in its reply"))),
+    };
+    let mut skip = vec![0u8; rest];
+    s.read_exact(&mut skip).await?;
+    Ok(s)
+}
+
+/// Where a connection DNATed to the relay was going.
+fn original_dst(s: &TcpStream) -> std::io::Result<SocketAddrV4> {
+    let mut addr = libc::sockaddr_in {
+        sin_family: 0,
+        sin_port: 0,
+        sin_addr: libc::in_addr { s_addr: 0 },
+        sin_zero: [0; 8],
+    };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: getsockopt(2) writes at most `len` bytes into `addr`, a sockaddr_in we own and
+    // whose size `len` states; the descriptor is the live socket `s` borrows.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_IP,
+            libc::SO_ORIGINAL_DST,
+            (&mut addr as *mut libc::sockaddr_in).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(SocketAddrV4::new(
+        Ipv4Addr::from(u32::from_be(addr.sin_addr.s_addr)),
+        u16::from_be(addr.sin_port),
+    ))
+}
+
+/// Serves the SOCKS5 relay until `stop` turns true: each connection the guest made (DNATed
+/// here after the policy admitted it) is tunnelled through the policy's `egress_proxy`.
+pub async fn serve_socks_relay(
+    sb: Arc<EdgeSandbox>,
+    listener: TcpListener,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        let conn = tokio::select! {
+            c = listener.accept() => c,
+            _ = stop.wait_for(|v| *v) => return,
+        };
+        let Ok((mut guest, _)) = conn else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let Some(permit) = sb.admit() else {
+            continue;
+        };
+        let sb = sb.clone();
+        tokio::spawn(async move {
+            let policy = sb.policy();
+            let dst = match original_dst(&guest) {
+                Ok(d) => d,
+                Err(e) => {
+                    sb.sample(format!("relay: no original destination: {e}"));
+                    return;
+                }
+            };
+            if policy.egress_proxy.is_none() || !sb.admits(&policy, *dst.ip()) {
+                sb.bump(|s| s.refused_connections += 1);
+                return;
+            }
+            let up =
+                tokio::time::timeout(CONNECT_TIMEOUT, sb.connect(&policy, SocketAddr::V4(dst)))
+                    .await;
+            let mut up = match up {
+                Ok(Ok(u)) => u,
+                Ok(Err(e)) => {
+                    sb.bump(|s| s.failed += 1);
+                    sb.sample(format!("{dst}: {e}"));
+                    return;
+                }
+                Err(_) => {
+                    sb.bump(|s| s.failed += 1);
+                    sb.sample(format!("{dst}: the egress proxy did not answer in time"));
+                    return;
+                }
+            };
+            sb.bump(|s| s.relayed += 1);
+            let _ = tokio::io::copy_bidirectional(&mut guest, &mut up).await;
+            drop(permit);
+        });
     }
 }
 
@@ -495,7 +649,7 @@ async fn forward(
     let tls = tls_host.is_some();
     let port = if tls { 443 } else { 80 };
     let addr = SocketAddr::from((ip, port));
-    let tcp = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+    let tcp = match tokio::time::timeout(CONNECT_TIMEOUT, sb.connect(&policy, addr)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => return fail(sb, &host, format!("cannot connect to {addr}: {e}")),
         Err(_) => return fail(sb, &host, format!("connecting to {addr} timed out")),
