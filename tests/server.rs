@@ -542,36 +542,103 @@ fn secret_environment_values_reach_the_guest_and_nothing_at_rest() {
 
 /// E2B's surface on a server started with no `--domain`: the answers name this server as the
 /// sandbox domain (`localhost:<port>`), a request for `<port>-<id>.localhost:<port>` reaches
-/// that sandbox, and a create over capacity says so in `error_code` as E2B's API does.
+/// that sandbox's port by E2B's rule (every port, public unless `allowPublicTraffic` is false,
+/// then with the traffic token), and a create over capacity says so in `error_code` as E2B's
+/// API does.
 #[test]
-fn e2b_answers_name_this_server_and_capacity_has_its_error_code() {
+fn e2b_answers_name_this_server_ports_follow_e2bs_rule_and_capacity_has_its_error_code() {
     let home = home();
-    let srv = Server::start(home.path(), &["--max-running", "1"]);
+    let srv = Server::start(home.path(), &["--max-running", "2"]);
     let port = srv.url.rsplit(':').next().unwrap().to_string();
     // (status, body) of an E2B create.
-    let e2b = || -> (u16, Value) {
+    let e2b = |body: &str| -> (u16, Value) {
         let r = ureq::post(&format!("{}/sandboxes", srv.url))
             .set("x-api-key", &srv.token())
             .set("content-type", "application/json")
-            .send_string(r#"{"templateID":"base"}"#);
+            .send_string(body);
         match r {
             Ok(r) => (r.status(), r.into_json().unwrap()),
             Err(ureq::Error::Status(s, r)) => (s, r.into_json().unwrap()),
             Err(e) => panic!("E2B create: {e}"),
         }
     };
-    let (status, created) = e2b();
-    assert_eq!(status, 201, "{created}");
-    let id = created["sandboxID"].as_str().unwrap().to_string();
-    assert_eq!(created["domain"], format!("localhost:{port}"), "{created}");
+    // GET / of guest port 8123 through the E2B Host route: (status, body).
+    let get = |id: &str, token: Option<&str>| -> (u16, String) {
+        let mut r =
+            ureq::get(&format!("{}/", srv.url)).set("host", &format!("8123-{id}.localhost:{port}"));
+        if let Some(t) = token {
+            r = r.set("e2b-traffic-access-token", t);
+        }
+        match r.call() {
+            Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
+            Err(ureq::Error::Status(s, r)) => (s, r.into_string().unwrap_or_default()),
+            Err(e) => panic!("GET port 8123 of {id}: {e}"),
+        }
+    };
+    let c = srv.client();
+    let serve_8123 = |id: &str| {
+        c.stream(
+            &format!("/v1/sandboxes/{id}/exec"),
+            &json!({"argv": ["python3", "-m", "http.server", "8123", "--directory", "/etc"],
+                    "background": true}),
+            &mut |_| true,
+        )
+        .unwrap();
+    };
+    let (status, public) = e2b(r#"{"templateID":"base"}"#);
+    assert_eq!(status, 201, "{public}");
+    let a = public["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(public["domain"], format!("localhost:{port}"), "{public}");
     // get_host(49983) → 49983-<id>.localhost:<port>: envd's health through the Host route.
     let r = ureq::get(&format!("{}/health", srv.url))
-        .set("host", &format!("49983-{id}.localhost:{port}"))
+        .set("host", &format!("49983-{a}.localhost:{port}"))
         .call()
         .unwrap();
     assert_eq!(r.status(), 204);
-    let (status, v) = e2b();
-    assert_eq!(status, 429, "a second sandbox over --max-running 1: {v}");
+    let (status, private) = e2b(r#"{"templateID":"base","network":{"allowPublicTraffic":false}}"#);
+    assert_eq!(status, 201, "{private}");
+    let b = private["sandboxID"].as_str().unwrap().to_string();
+    let token = private["trafficAccessToken"].as_str().unwrap().to_string();
+    serve_8123(&a);
+    serve_8123(&b);
+    // The guest's server takes a few seconds to start on kvm_pvm.
+    let t0 = Instant::now();
+    loop {
+        let (s, body) = get(&a, None);
+        if s == 200 {
+            assert!(body.contains("passwd"), "{body}");
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "port 8123 of {a}: {s} {body}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let (s, body) = get(&b, None);
+    assert_eq!(s, 401, "a private sandbox's port without the token: {body}");
+    loop {
+        let (s, body) = get(&b, Some(&token));
+        if s == 200 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "port 8123 of {b}: {s} {body}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let (s, _) = get(&b, Some("not-the-token"));
+    assert_eq!(s, 401);
+    // The rule is the sandbox's (its network says so); the native API's default, nothing
+    // exposed until asked, is `CreateRequest::default()`'s.
+    assert_eq!(
+        c.sandbox(&a).unwrap().network.all_ports,
+        Some(ember_runtime::AllPorts { public: true })
+    );
+    assert_eq!(CreateRequest::default().expose_all_ports, None);
+    let (status, v) = e2b(r#"{"templateID":"base"}"#);
+    assert_eq!(status, 429, "a third sandbox over --max-running 2: {v}");
     assert_eq!(v["error_code"], "sandbox_capacity_unavailable", "{v}");
     assert_eq!(v["code"], 429);
 }

@@ -204,7 +204,12 @@ impl Runtime {
             .map(|s| format!("{}{s}", db.display()).into())
             .collect();
         files.push(cfg.home.join("token"));
-        for f in ["secrets.db", "secrets.db-wal", "secrets.db-shm", "secrets.key"] {
+        for f in [
+            "secrets.db",
+            "secrets.db-wal",
+            "secrets.db-shm",
+            "secrets.key",
+        ] {
             files.push(cfg.home.join(f));
         }
         match paths::secure_state(&cfg.home, &files) {

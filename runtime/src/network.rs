@@ -244,17 +244,20 @@ impl Runtime {
         )
     }
 
-    /// The exposed port `port` of `id`, if it is exposed.
+    /// The exposed port `port` of `id`, if it is exposed (listed, or every port is).
     pub fn exposed(&self, id: &str, port: u16) -> Result<Option<ExposedPort>, RuntimeError> {
         let slot = self.slot(id)?;
         let st = lock(&slot.st);
-        Ok(st
-            .row
-            .network
+        let net = &st.row.network;
+        Ok(net
             .ports
             .iter()
             .find(|p| p.port == port)
-            .cloned())
+            .cloned()
+            .or(net.all_ports.map(|a| ExposedPort {
+                port,
+                public: a.public,
+            })))
     }
 
     /// Opens a TCP connection to the guest's `port` from inside the sandbox's namespace

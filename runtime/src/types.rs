@@ -117,6 +117,15 @@ pub struct ExposedPort {
     pub public: bool,
 }
 
+/// Every guest port of a sandbox reachable through the server, as E2B's surface does
+/// (`allowPublicTraffic`): ember's native default is none until exposed one by one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct AllPorts {
+    /// Reachable without the sandbox's traffic token (anyone who can reach the server).
+    #[serde(default)]
+    pub public: bool,
+}
+
 /// A sandbox's network: the policy in force and its exposed ports.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct SandboxNetwork {
@@ -126,6 +135,9 @@ pub struct SandboxNetwork {
     /// Exposed ports.
     #[serde(default)]
     pub ports: Vec<ExposedPort>,
+    /// Every port exposed (E2B's rule), besides those listed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub all_ports: Option<AllPorts>,
 }
 
 /// Arguments of [`crate::Runtime::create`].
@@ -167,6 +179,10 @@ pub struct CreateRequest {
     /// template's).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Expose every guest port through the server from the start (E2B's rule; the E2B
+    /// surface sets it from `allowPublicTraffic`). Default: none, ports are exposed one by one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expose_all_ports: Option<AllPorts>,
     /// Names of `env` entries whose values are secret: never stored, logged or answered
     /// (`get` shows `[redacted]`); they live in the server's memory while the sandbox runs.
     /// Names that look like credentials (`*_KEY`, `*_TOKEN`, `*_SECRET`, `*PASSWORD*`) are

@@ -309,6 +309,10 @@ impl Runtime {
                     None => req.network.clone(),
                 },
                 ports: Vec::new(),
+                all_ports: match fork {
+                    Some((p, _)) => p.network.all_ports,
+                    None => req.expose_all_ports,
+                },
             },
         };
         let slot = Slot::new(row.clone(), None);

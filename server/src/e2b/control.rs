@@ -323,6 +323,11 @@ pub struct E2bNetwork {
     /// `egress_proxy`; `username`, `password` and `tls` are refused).
     #[serde(rename = "egressProxy")]
     pub egress_proxy: Option<Value>,
+    /// Whether the sandbox's URLs (`<port>-<id>.<domain>`) take traffic without its traffic
+    /// access token (E2B's default when absent: true). Either way every guest port is
+    /// reachable through the E2B route, as on E2B.
+    #[serde(rename = "allowPublicTraffic")]
+    pub allow_public_traffic: Option<bool>,
 }
 
 /// The `egressProxy` of a create, or why ember cannot honour it.
@@ -412,6 +417,14 @@ async fn create(
             OnTimeout::Kill
         },
         network: e2b_policy(&body, st.opts.allow_internet),
+        // E2B's rule for user ports: all reachable, public unless the create says not.
+        expose_all_ports: Some(ember_runtime::AllPorts {
+            public: body
+                .network
+                .as_ref()
+                .and_then(|n| n.allow_public_traffic)
+                .unwrap_or(true),
+        }),
         env: body.env_vars.unwrap_or_default(),
         metadata: body.metadata.unwrap_or_default(),
         ..Default::default()
