@@ -221,47 +221,6 @@ fn serve_one(mut s: std::net::TcpStream) -> std::io::Result<()> {
     s.flush()
 }
 
-/// A DNS server: `allowed.test` → PEER_OK, `denied.test` → PEER_DENIED, else NXDOMAIN.
-fn dns_server(u: UdpSocket) {
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 512];
-        while let Ok((n, from)) = u.recv_from(&mut buf) {
-            let q = &buf[..n];
-            if n < 12 {
-                continue;
-            }
-            let mut i = 12;
-            let mut labels = Vec::new();
-            while i < n && q[i] != 0 {
-                let l = q[i] as usize;
-                labels.push(String::from_utf8_lossy(&q[i + 1..(i + 1 + l).min(n)]).to_string());
-                i += 1 + l;
-            }
-            let qend = i + 5;
-            if qend > n {
-                continue;
-            }
-            let name = labels.join(".").to_ascii_lowercase();
-            let qtype = u16::from_be_bytes([q[i + 1], q[i + 2]]);
-            let ip: Option<[u8; 4]> = match name.as_str() {
-                "allowed.test" => Some([198, 51, 100, 10]),
-                "denied.test" => Some([198, 51, 100, 20]),
-                _ => None,
-            };
-            let mut r = q[..qend].to_vec();
-            r[2] = 0x84 | (q[2] & 0x01);
-            r[3] = if ip.is_some() { 0x00 } else { 0x03 };
-            r[6..12].copy_from_slice(&[0, 0, 0, 0, 0, 0]);
-            if let (Some(ip), 1) = (ip, qtype) {
-                r[7] = 1;
-                r.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4]);
-                r.extend_from_slice(&ip);
-            }
-            let _ = u.send_to(&r, from);
-        }
-    });
-}
-
 /// Share of pixels of `png` within `tol` of each colour.
 fn colour_shares(png: &[u8], colours: &[[u8; 3]], tol: u8) -> Vec<f64> {
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
@@ -390,7 +349,13 @@ fn playwright_and_puppeteer_drive_isolated_browser_sandboxes() {
         inet.run(|| TcpListener::bind((PEER_DENIED, 8080)).expect("bind the denied server")),
         denied_hits.clone(),
     );
-    dns_server(inet.run(|| UdpSocket::bind((DNS_IP, 53)).expect("bind dns")));
+    ember_tests::dns_server(
+        inet.run(|| UdpSocket::bind((DNS_IP, 53)).expect("bind dns")),
+        &[
+            ("allowed.test", [198, 51, 100, 10]),
+            ("denied.test", [198, 51, 100, 20]),
+        ],
+    );
     enter_netns(&PathBuf::from("/run/netns").join(&host.name));
 
     // `ember serve` in the host namespace (it and the clients inherit this thread's).

@@ -686,3 +686,56 @@ pub fn hash16(file: &std::path::Path) -> String {
     let h = sha2::Sha256::digest(&data);
     h.iter().map(|b| format!("{b:02x}")).collect::<String>()[..16].to_string()
 }
+
+/// A tiny authoritative DNS server on `u` (a socket a test bound in a namespace it made):
+/// A records for `records` (name → IPv4), NXDOMAIN for any other name, one thread until the
+/// socket fails. Returns the names asked, in order.
+pub fn dns_server(
+    u: std::net::UdpSocket,
+    records: &[(&str, [u8; 4])],
+) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
+    let records: Vec<(String, [u8; 4])> = records
+        .iter()
+        .map(|(n, ip)| (n.to_ascii_lowercase(), *ip))
+        .collect();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let asked = seen.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 512];
+        while let Ok((n, from)) = u.recv_from(&mut buf) {
+            let q = &buf[..n];
+            if n < 12 {
+                continue;
+            }
+            // The question name.
+            let mut i = 12;
+            let mut labels = Vec::new();
+            while i < n && q[i] != 0 {
+                let l = q[i] as usize;
+                labels.push(String::from_utf8_lossy(&q[i + 1..(i + 1 + l).min(n)]).to_string());
+                i += 1 + l;
+            }
+            let qend = i + 5; // zero byte + qtype + qclass
+            if qend > n {
+                continue;
+            }
+            let name = labels.join(".").to_ascii_lowercase();
+            let qtype = u16::from_be_bytes([q[i + 1], q[i + 2]]);
+            if let Ok(mut a) = asked.lock() {
+                a.push(name.clone());
+            }
+            let ip = records.iter().find(|(r, _)| *r == name).map(|(_, ip)| *ip);
+            let mut r = q[..qend].to_vec();
+            r[2] = 0x84 | (q[2] & 0x01); // QR, AA, RD copied
+            r[3] = if ip.is_some() { 0x00 } else { 0x03 };
+            r[6..12].copy_from_slice(&[0, 0, 0, 0, 0, 0]);
+            if let (Some(ip), 1) = (ip, qtype) {
+                r[7] = 1; // one answer
+                r.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4]);
+                r.extend_from_slice(&ip);
+            }
+            let _ = u.send_to(&r, from);
+        }
+    });
+    seen
+}

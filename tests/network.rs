@@ -110,53 +110,6 @@ fn udp_echo(u: UdpSocket) {
     });
 }
 
-/// A tiny authoritative DNS server: A records for `allowed.test` and `denied.test`,
-/// NXDOMAIN otherwise. Counts queries per name.
-fn dns_server(u: UdpSocket) -> Arc<std::sync::Mutex<Vec<String>>> {
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let s2 = seen.clone();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 512];
-        while let Ok((n, from)) = u.recv_from(&mut buf) {
-            let q = &buf[..n];
-            if n < 12 {
-                continue;
-            }
-            // The question name.
-            let mut i = 12;
-            let mut labels = Vec::new();
-            while i < n && q[i] != 0 {
-                let l = q[i] as usize;
-                labels.push(String::from_utf8_lossy(&q[i + 1..(i + 1 + l).min(n)]).to_string());
-                i += 1 + l;
-            }
-            let qend = i + 5; // zero byte + qtype + qclass
-            if qend > n {
-                continue;
-            }
-            let name = labels.join(".").to_ascii_lowercase();
-            let qtype = u16::from_be_bytes([q[i + 1], q[i + 2]]);
-            s2.lock().unwrap().push(name.clone());
-            let ip: Option<[u8; 4]> = match name.as_str() {
-                "allowed.test" => Some([198, 51, 100, 10]),
-                "denied.test" => Some([198, 51, 100, 20]),
-                _ => None,
-            };
-            let mut r = q[..qend].to_vec();
-            r[2] = 0x84 | (q[2] & 0x01); // QR, AA, RD copied
-            r[3] = if ip.is_some() { 0x00 } else { 0x03 };
-            r[6..12].copy_from_slice(&[0, 0, 0, 0, 0, 0]);
-            if let (Some(ip), 1) = (ip, qtype) {
-                r[7] = 1; // one answer
-                r.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4]);
-                r.extend_from_slice(&ip);
-            }
-            let _ = u.send_to(&r, from);
-        }
-    });
-    seen
-}
-
 /// The test's two namespaces and its peers.
 struct Topo {
     /// Kept for its lifetime: dropping it deletes the namespace.
@@ -196,7 +149,13 @@ impl Topo {
         let peer_denied = tcp_banner(bind(PEER_DENIED, 8080), "PEER-DENIED");
         let metadata = tcp_banner(bind(METADATA, 80), "METADATA");
         udp_echo(inet.run(|| UdpSocket::bind((PEER_OK, 9999)).expect("bind udp")));
-        let dns_seen = dns_server(inet.run(|| UdpSocket::bind((DNS_IP, 53)).expect("bind dns")));
+        let dns_seen = ember_tests::dns_server(
+            inet.run(|| UdpSocket::bind((DNS_IP, 53)).expect("bind dns")),
+            &[
+                ("allowed.test", [198, 51, 100, 10]),
+                ("denied.test", [198, 51, 100, 20]),
+            ],
+        );
         let host_own = tcp_banner(
             host.run(|| TcpListener::bind((HOST_IP, 8081)).expect("bind host")),
             "HOST",

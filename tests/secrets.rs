@@ -227,48 +227,6 @@ fn start_upstream(ns: &str, dir: &Path, log: &Path) -> Upstream {
     Upstream(child)
 }
 
-/// A tiny authoritative DNS server for the test's names.
-fn dns_server(u: UdpSocket) {
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 512];
-        while let Ok((n, from)) = u.recv_from(&mut buf) {
-            let q = &buf[..n];
-            if n < 12 {
-                continue;
-            }
-            let mut i = 12;
-            let mut labels = Vec::new();
-            while i < n && q[i] != 0 {
-                let l = q[i] as usize;
-                labels.push(String::from_utf8_lossy(&q[i + 1..(i + 1 + l).min(n)]).to_string());
-                i += 1 + l;
-            }
-            let qend = i + 5;
-            if qend > n {
-                continue;
-            }
-            let name = labels.join(".").to_ascii_lowercase();
-            let qtype = u16::from_be_bytes([q[i + 1], q[i + 2]]);
-            let ip: Option<[u8; 4]> = match name.as_str() {
-                "api.test" => Some([198, 51, 100, 30]),
-                "plain.test" => Some([198, 51, 100, 31]),
-                "bad.test" => Some([198, 51, 100, 32]),
-                _ => None,
-            };
-            let mut r = q[..qend].to_vec();
-            r[2] = 0x84 | (q[2] & 0x01);
-            r[3] = if ip.is_some() { 0x00 } else { 0x03 };
-            r[6..12].copy_from_slice(&[0, 0, 0, 0, 0, 0]);
-            if let (Some(ip), 1) = (ip, qtype) {
-                r[7] = 1;
-                r.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4]);
-                r.extend_from_slice(&ip);
-            }
-            let _ = u.send_to(&r, from);
-        }
-    });
-}
-
 /// The upstream's records so far.
 fn records(log: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(log)
@@ -464,7 +422,14 @@ impl Topo {
             inet.ip(&["addr", "add", &format!("{a}/24"), "dev", "eth0"]);
         }
         inet.ip(&["link", "set", "eth0", "up"]);
-        dns_server(inet.run(|| UdpSocket::bind((DNS_IP, 53)).expect("bind dns")));
+        ember_tests::dns_server(
+            inet.run(|| UdpSocket::bind((DNS_IP, 53)).expect("bind dns")),
+            &[
+                ("api.test", [198, 51, 100, 30]),
+                ("plain.test", [198, 51, 100, 31]),
+                ("bad.test", [198, 51, 100, 32]),
+            ],
+        );
         let pki = tempfile::tempdir().unwrap();
         let plain_fp = make_certs(pki.path());
         let log = pki.path().join("upstream.jsonl");
