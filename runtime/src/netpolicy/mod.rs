@@ -450,15 +450,22 @@ impl NetManager {
                 tokio::net::TcpListener::from_std(tls_l).map_err(sys("egress proxy socket"))?;
             let http_l =
                 tokio::net::TcpListener::from_std(http_l).map_err(sys("egress proxy socket"))?;
-            rt.spawn(edge::serve_tls(
+            rt.spawn(edge::serve(
                 shared.clone(),
                 sb.clone(),
                 tls_l,
+                edge::Scheme::Https,
                 rx.clone(),
             ));
             let relay_l =
                 tokio::net::TcpListener::from_std(relay_l).map_err(sys("egress proxy socket"))?;
-            rt.spawn(edge::serve_http(shared, sb.clone(), http_l, rx.clone()));
+            rt.spawn(edge::serve(
+                shared,
+                sb.clone(),
+                http_l,
+                edge::Scheme::Http,
+                rx.clone(),
+            ));
             rt.spawn(edge::serve_socks_relay(sb.clone(), relay_l, rx));
         }
         resolver.set_answer_hook(Some(hook));

@@ -467,38 +467,22 @@ fn fail(sb: &EdgeSandbox, host: &str, reason: String) -> Response<ProxyBody> {
     r
 }
 
-/// Serves the HTTPS listener until `stop` turns true.
-pub async fn serve_tls(
-    shared: Arc<EdgeShared>,
-    sb: Arc<EdgeSandbox>,
-    listener: TcpListener,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
-    loop {
-        let conn = tokio::select! {
-            c = listener.accept() => c,
-            _ = stop.wait_for(|v| *v) => return,
-        };
-        let Ok((stream, _)) = conn else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
-        let Some(permit) = sb.admit() else {
-            continue;
-        };
-        let (shared, sb) = (shared.clone(), sb.clone());
-        tokio::spawn(async move {
-            tls_connection(shared, sb, stream).await;
-            drop(permit);
-        });
-    }
+/// What a listener of the proxy takes: TLS (ended here, for port 443) or plain HTTP (80).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scheme {
+    /// HTTPS: the TLS handshake first, with a leaf for the SNI's rule host.
+    Https,
+    /// Plain HTTP.
+    Http,
 }
 
-/// Serves the HTTP listener until `stop` turns true.
-pub async fn serve_http(
+/// Serves one of the proxy's listeners until `stop` turns true: each admitted connection on
+/// a task of its own (at most [`EdgeSandbox::admit`]'s cap at once).
+pub async fn serve(
     shared: Arc<EdgeShared>,
     sb: Arc<EdgeSandbox>,
     listener: TcpListener,
+    scheme: Scheme,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     loop {
@@ -515,7 +499,10 @@ pub async fn serve_http(
         };
         let (shared, sb) = (shared.clone(), sb.clone());
         tokio::spawn(async move {
-            serve_requests(shared, sb, TokioIo::new(stream), None).await;
+            match scheme {
+                Scheme::Https => tls_connection(shared, sb, stream).await,
+                Scheme::Http => serve_requests(shared, sb, TokioIo::new(stream), None).await,
+            }
             drop(permit);
         });
     }
