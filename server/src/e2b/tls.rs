@@ -36,6 +36,8 @@ use rustls::client::danger::ServerCertVerifier;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 
+use ember_runtime::netpolicy::edge::ca::{ca_params, leaf_params};
+
 /// How long before its expiry the leaf certificate is re-issued.
 pub const RENEW_BEFORE: Duration = Duration::from_secs(30 * 86_400);
 /// The leaf certificate's lifetime.
@@ -238,37 +240,13 @@ pub fn load_or_create(dir: &Path, domain: &str) -> Result<TlsFiles, TlsError> {
     Ok(files)
 }
 
-/// The CA's parameters, a function of its key alone. Leaves are signed with an issuer built
-/// from these and the CA key, so they must not change for an existing CA (the issuer name
-/// must equal the CA's subject; [`load_or_create`] verifies every leaf it issues). The name
-/// carries a fingerprint of the key: two ember CAs never share a subject, so a client that
-/// trusts another one reports an unknown issuer rather than a bad signature.
-fn ca_params(key: &rcgen::KeyPair) -> rcgen::CertificateParams {
-    use sha2::Digest;
-    let fp = sha2::Sha256::digest(key.public_key_raw());
-    let fp: String = fp[..6].iter().map(|b| format!("{b:02x}")).collect();
-    let mut p = rcgen::CertificateParams::default();
-    p.distinguished_name = rcgen::DistinguishedName::new();
-    p.distinguished_name
-        .push(rcgen::DnType::CommonName, format!("{CA_NAME} {fp}"));
-    p.distinguished_name
-        .push(rcgen::DnType::OrganizationName, "ember");
-    p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Constrained(0));
-    p.key_usages = vec![
-        rcgen::KeyUsagePurpose::KeyCertSign,
-        rcgen::KeyUsagePurpose::CrlSign,
-        rcgen::KeyUsagePurpose::DigitalSignature,
-    ];
-    p
-}
-
 /// Makes the CA's key and self-signed certificate; returns the key.
 fn create_ca(cert_path: &Path, key_path: &Path) -> Result<rcgen::KeyPair, TlsError> {
     let key = rcgen::KeyPair::generate().map_err(|source| TlsError::Generate {
         what: "the CA key",
         source,
     })?;
-    let mut params = ca_params(&key);
+    let mut params = ca_params(&key, CA_NAME);
     let now = time::OffsetDateTime::now_utc();
     params.not_before = now - time::Duration::days(1);
     params.not_after = now + time::Duration::days(CA_DAYS);
@@ -290,26 +268,16 @@ fn issue_leaf(files: &TlsFiles, ca_key: &rcgen::KeyPair, domain: &str) -> Result
         what: "the certificate key",
         source,
     })?;
-    let mut params = rcgen::CertificateParams::new(vec![format!("*.{domain}"), domain.to_string()])
-        .map_err(|source| TlsError::Generate {
-            what: "the certificate's names",
-            source,
-        })?;
-    params.distinguished_name = rcgen::DistinguishedName::new();
-    params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, format!("*.{domain}"));
-    params.is_ca = rcgen::IsCa::ExplicitNoCa;
-    params.key_usages = vec![
-        rcgen::KeyUsagePurpose::DigitalSignature,
-        rcgen::KeyUsagePurpose::KeyEncipherment,
-    ];
-    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
-    params.use_authority_key_identifier_extension = true;
-    let now = time::OffsetDateTime::now_utc();
-    params.not_before = now - time::Duration::days(1);
-    params.not_after = now + time::Duration::days(LEAF_DAYS);
-    let issuer = rcgen::Issuer::new(ca_params(ca_key), ca_key);
+    let params = leaf_params(
+        vec![format!("*.{domain}"), domain.to_string()],
+        &format!("*.{domain}"),
+        LEAF_DAYS,
+    )
+    .map_err(|source| TlsError::Generate {
+        what: "the certificate's names",
+        source,
+    })?;
+    let issuer = rcgen::Issuer::new(ca_params(ca_key, CA_NAME), ca_key);
     let cert = params
         .signed_by(&key, &issuer)
         .map_err(|source| TlsError::Generate {

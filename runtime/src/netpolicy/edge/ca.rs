@@ -40,16 +40,17 @@ pub enum CaError {
 const CA_DAYS: i64 = 3650;
 const LEAF_DAYS: i64 = 30;
 
-fn ca_params(key: &rcgen::KeyPair) -> rcgen::CertificateParams {
+/// A local CA's certificate parameters: `name` and a fingerprint of its key as the common
+/// name, path length 0 (it signs leaves only). Also the E2B TLS listener's CA
+/// (`server/src/e2b/tls.rs`).
+pub fn ca_params(key: &rcgen::KeyPair, name: &str) -> rcgen::CertificateParams {
     use sha2::Digest;
     let fp = sha2::Sha256::digest(key.public_key_raw());
     let fp: String = fp[..6].iter().map(|b| format!("{b:02x}")).collect();
     let mut p = rcgen::CertificateParams::default();
     p.distinguished_name = rcgen::DistinguishedName::new();
-    p.distinguished_name.push(
-        rcgen::DnType::CommonName,
-        format!("ember egress proxy CA {fp}"),
-    );
+    p.distinguished_name
+        .push(rcgen::DnType::CommonName, format!("{name} {fp}"));
     p.distinguished_name
         .push(rcgen::DnType::OrganizationName, "ember");
     p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Constrained(0));
@@ -60,6 +61,34 @@ fn ca_params(key: &rcgen::KeyPair) -> rcgen::CertificateParams {
     ];
     p
 }
+
+/// A TLS server leaf's parameters: `names` as subject alternative names, `common_name`, valid
+/// from a day ago for `days` days, server authentication only.
+pub fn leaf_params(
+    names: Vec<String>,
+    common_name: &str,
+    days: i64,
+) -> Result<rcgen::CertificateParams, rcgen::Error> {
+    let mut params = rcgen::CertificateParams::new(names)?;
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, common_name);
+    params.is_ca = rcgen::IsCa::ExplicitNoCa;
+    params.key_usages = vec![
+        rcgen::KeyUsagePurpose::DigitalSignature,
+        rcgen::KeyUsagePurpose::KeyEncipherment,
+    ];
+    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    params.use_authority_key_identifier_extension = true;
+    let now = time::OffsetDateTime::now_utc();
+    params.not_before = now - time::Duration::days(1);
+    params.not_after = now + time::Duration::days(days);
+    Ok(params)
+}
+
+/// This CA's name (the common name adds its key's fingerprint).
+const CA_NAME: &str = "ember egress proxy CA";
 
 fn gen_err(what: &str) -> impl FnOnce(rcgen::Error) -> CaError + '_ {
     move |source| CaError::Generate {
@@ -123,7 +152,7 @@ impl EdgeCa {
             });
         }
         let key = rcgen::KeyPair::generate().map_err(gen_err("the CA key"))?;
-        let mut params = ca_params(&key);
+        let mut params = ca_params(&key, CA_NAME);
         let now = time::OffsetDateTime::now_utc();
         params.not_before = now - time::Duration::days(1);
         params.not_after = now + time::Duration::days(CA_DAYS);
@@ -147,23 +176,9 @@ impl EdgeCa {
             return Ok(c.clone());
         }
         let key = rcgen::KeyPair::generate().map_err(gen_err("a leaf key"))?;
-        let mut params = rcgen::CertificateParams::new(vec![host.to_string()])
+        let params = leaf_params(vec![host.to_string()], host, LEAF_DAYS)
             .map_err(gen_err(&format!("a leaf for {host}")))?;
-        params.distinguished_name = rcgen::DistinguishedName::new();
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, host);
-        params.is_ca = rcgen::IsCa::ExplicitNoCa;
-        params.key_usages = vec![
-            rcgen::KeyUsagePurpose::DigitalSignature,
-            rcgen::KeyUsagePurpose::KeyEncipherment,
-        ];
-        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
-        params.use_authority_key_identifier_extension = true;
-        let now = time::OffsetDateTime::now_utc();
-        params.not_before = now - time::Duration::days(1);
-        params.not_after = now + time::Duration::days(LEAF_DAYS);
-        let issuer = rcgen::Issuer::new(ca_params(&self.key), &self.key);
+        let issuer = rcgen::Issuer::new(ca_params(&self.key, CA_NAME), &self.key);
         let cert = params
             .signed_by(&key, &issuer)
             .map_err(gen_err(&format!("a leaf for {host}")))?;
