@@ -739,3 +739,27 @@ pub fn dns_server(
     });
     seen
 }
+
+/// Runs `code` in sandbox `id`'s default context through the runtime; (stdout, stderr).
+/// Panics when the call fails or the code raised.
+pub fn run_code_text(rt: &ember_runtime::Runtime, id: &str, code: &str) -> (String, String) {
+    use ember_agent::protocol::{EventKind, RunCodeRequest};
+    let req = RunCodeRequest {
+        code: code.into(),
+        ..Default::default()
+    };
+    let mut out = String::new();
+    let mut err = String::new();
+    rt.run_code(id, &req, &mut |ev| {
+        match ev {
+            EventKind::Stdout { data } => out.push_str(&String::from_utf8_lossy(data)),
+            EventKind::Stderr { data } => err.push_str(&String::from_utf8_lossy(data)),
+            EventKind::Exception(x) => err.push_str(&format!("{}: {}", x.name, x.value)),
+            _ => {}
+        }
+        true
+    })
+    .unwrap_or_else(|e| panic!("run_code in {id}: {e}"));
+    assert!(err.is_empty(), "code in {id} failed: {err}\n{code}");
+    (out, err)
+}

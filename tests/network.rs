@@ -209,30 +209,8 @@ fn egress() -> NetworkPolicy {
 
 /// Runs Python in the sandbox and returns its stdout, trimmed.
 fn py(rt: &Runtime, id: &str, code: &str) -> String {
-    let (out, _) = run_code_text(rt, id, code);
+    let (out, _) = ember_tests::run_code_text(rt, id, code);
     out.trim().to_string()
-}
-
-fn run_code_text(rt: &Runtime, id: &str, code: &str) -> (String, String) {
-    use ember_agent::protocol::{EventKind, RunCodeRequest};
-    let req = RunCodeRequest {
-        code: code.into(),
-        ..Default::default()
-    };
-    let mut out = String::new();
-    let mut err = String::new();
-    rt.run_code(id, &req, &mut |ev| {
-        match ev {
-            EventKind::Stdout { data } => out.push_str(&String::from_utf8_lossy(data)),
-            EventKind::Stderr { data } => err.push_str(&String::from_utf8_lossy(data)),
-            EventKind::Exception(x) => err.push_str(&format!("{}: {}", x.name, x.value)),
-            _ => {}
-        }
-        true
-    })
-    .unwrap_or_else(|e| panic!("run_code in {id}: {e}"));
-    assert!(err.is_empty(), "code in {id} failed: {err}\n{code}");
-    (out, err)
 }
 
 const HELPERS: &str = r#"

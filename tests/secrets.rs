@@ -294,25 +294,10 @@ fn file_contains(path: &Path, needle: &[u8]) -> bool {
 }
 
 fn run_py(rt: &Runtime, id: &str, code: &str) -> String {
-    use ember_agent::protocol::{EventKind, RunCodeRequest};
-    let req = RunCodeRequest {
-        code: code.into(),
-        ..Default::default()
-    };
-    let mut out = String::new();
-    let mut err = String::new();
-    rt.run_code(id, &req, &mut |ev| {
-        match ev {
-            EventKind::Stdout { data } => out.push_str(&String::from_utf8_lossy(data)),
-            EventKind::Stderr { data } => err.push_str(&String::from_utf8_lossy(data)),
-            EventKind::Exception(x) => err.push_str(&format!("{}: {}", x.name, x.value)),
-            _ => {}
-        }
-        true
-    })
-    .unwrap_or_else(|e| panic!("run_code: {e}"));
-    assert!(err.is_empty(), "guest code failed: {err}\n{code}");
-    out.trim().to_string()
+    ember_tests::run_code_text(rt, id, code)
+        .0
+        .trim()
+        .to_string()
 }
 
 fn exec_out(rt: &Runtime, id: &str, argv: &[&str]) -> String {
