@@ -501,6 +501,32 @@ fn secret_environment_values_reach_the_guest_and_nothing_at_rest() {
         .unwrap();
     assert!(!listed.contains(&key) && !listed.contains(&dsn), "{listed}");
     c.kill(&s.id).unwrap();
+    // A call on the killed sandbox is refused at once (it used to wait forever on the
+    // runtime's own lock while looking up the environment, and the whole server with it).
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (url, token, id) = (srv.url.clone(), srv.token(), s.id.clone());
+    std::thread::spawn(move || {
+        let c = Client::new(&url, Some(token));
+        let r = c.stream(
+            &format!("/v1/sandboxes/{id}/code"),
+            &json!({ "code": "1" }),
+            &mut |_| true,
+        );
+        let _ = tx.send(
+            r.map(|end| end.map(|v| v.to_string()))
+                .map_err(|e| e.to_string()),
+        );
+    });
+    match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(Err(e)) => assert!(e.contains(&s.id) || e.contains("stopped"), "{e}"),
+        Ok(Ok(end)) => panic!("code on a killed sandbox ended {end:?}"),
+        Err(_) => {
+            // A deadlocked server would also hang this test's clean-up: stop it first.
+            srv.kill9();
+            panic!("code on a killed sandbox did not answer in 30 s");
+        }
+    }
+    assert!(c.list(true, None, &Default::default()).is_ok());
     srv.shutdown();
     for secret in [&key, &dsn] {
         let out = Command::new("grep")

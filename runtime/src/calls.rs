@@ -225,7 +225,10 @@ impl Runtime {
 
     /// The sandbox's environment with its secret values (which `get` redacts).
     pub(crate) fn row_env(&self, id: &str) -> std::collections::BTreeMap<String, String> {
-        match super::lock(&self.inner.slots).get(id).cloned() {
+        // The slots' lock is released before `get` (which takes it again) can run: a guard
+        // in a `match` scrutinee would live through the arms.
+        let slot = super::lock(&self.inner.slots).get(id).cloned();
+        match slot {
             Some(slot) => super::lock(&slot.st).row.env.clone(),
             None => self.get(id).map(|i| i.env).unwrap_or_default(),
         }
