@@ -392,8 +392,12 @@ pub fn gateway_main(a: GatewayArgs) -> ExitCode {
         server.local_addr(),
         a.token_file.display()
     );
-    let result = tokio.block_on(server.run(fleet));
+    // Our own reference outlives the server's: the fleet (its directory connection and blob
+    // store, each with a runtime of its own) is dropped here, off the async runtime, where
+    // their blocking drops may run.
+    let result = tokio.block_on(server.run(fleet.clone()));
     tokio.shutdown_timeout(Duration::from_secs(5));
+    drop(fleet);
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(e),

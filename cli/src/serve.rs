@@ -337,13 +337,17 @@ pub fn run(a: ServeArgs, node: Option<NodeStart>) -> ExitCode {
         "ember: try `EMBER_URL=http://{addr} ember sandbox create`; Ctrl-C stops the server \
          and leaves the sandboxes running"
     );
+    // Our own reference outlives the server's, so the runtime is dropped here, off the
+    // async runtime (its drop joins threads).
+    let backend = Arc::new(rt);
     let result = match stop {
-        Some(stop) => tokio.block_on(server.run_until(Arc::new(rt), stop)),
-        None => tokio.block_on(server.run(Arc::new(rt))),
+        Some(stop) => tokio.block_on(server.run_until(backend.clone(), stop)),
+        None => tokio.block_on(server.run(backend.clone())),
     };
     // Blocking calls still running (a guest that does not answer) must not keep the
     // process alive: their sandboxes are re-attached at the next start.
     tokio.shutdown_timeout(Duration::from_secs(5));
+    drop(backend);
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(e),

@@ -190,8 +190,31 @@ pub struct SandboxRoute {
 
 /// A connection to the directory (one client, serialized: calls are short).
 pub struct Db {
-    client: Mutex<Client>,
+    /// Always `Some` but while being dropped (see `Drop`).
+    client: Mutex<Option<Client>>,
     url: String,
+}
+
+impl Drop for Db {
+    /// `postgres::Client`'s own drop blocks on a runtime of its own to say goodbye to the
+    /// server, which panics on a tokio worker thread — where a gateway's state ends when its
+    /// server stops. There the client goes to a thread of its own to be dropped.
+    fn drop(&mut self) {
+        let client = self
+            .client
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(c) = client {
+            if tokio::runtime::Handle::try_current().is_ok() {
+                let _ = std::thread::Builder::new()
+                    .name("ember-db-close".into())
+                    .spawn(move || drop(c));
+            } else {
+                drop(c);
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for Db {
@@ -214,7 +237,7 @@ impl Db {
             .map_err(|e| FleetError::Db(format!("cannot connect to {}: {e}", redact(url))))?;
         migrate(&mut client)?;
         Ok(Db {
-            client: Mutex::new(client),
+            client: Mutex::new(Some(client)),
             url: url.to_string(),
         })
     }
@@ -223,13 +246,19 @@ impl Db {
         &self,
         f: impl FnOnce(&mut Client) -> Result<T, FleetError>,
     ) -> Result<T, FleetError> {
-        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
-        if c.is_closed() {
-            *c = connect(&self.url).map_err(|e| {
+        let mut guard = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        let reconnect = guard.as_ref().is_none_or(Client::is_closed);
+        if reconnect {
+            *guard = Some(connect(&self.url).map_err(|e| {
                 FleetError::Db(format!("cannot reconnect to {}: {e}", redact(&self.url)))
-            })?;
+            })?);
         }
-        f(&mut c)
+        match guard.as_mut() {
+            Some(c) => f(c),
+            None => Err(FleetError::Db(
+                "the directory's connection is closed".into(),
+            )),
+        }
     }
 
     /// Registers (or re-registers) a node; answers its new epoch.

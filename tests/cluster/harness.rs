@@ -440,8 +440,11 @@ impl Cluster {
 
     /// Stops process `name`: SIGINT (a node leaves its VMs running for its next start to
     /// re-adopt; SIGTERM would drain it), killed after 15 s.
+    /// A stop must be clean: the process's log may not show a panic.
     pub fn stop(&mut self, name: &str) {
         self.signal_and_wait(name, libc::SIGINT, Duration::from_secs(15));
+        let log = self.log_of(name);
+        assert!(!log.contains("panicked"), "{name} panicked:\n{log}");
     }
 
     /// Sends `sig` to process `name` and waits up to `wait` for it to exit (then kills it);
