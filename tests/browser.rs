@@ -52,24 +52,6 @@ const DNS_IP: &str = "198.51.100.53";
 const ORANGE: [u8; 3] = [0xff, 0x88, 0x00];
 const BLUE: [u8; 3] = [0x00, 0x44, 0xff];
 
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .map(|l| l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false)
-}
-
-fn hash16(file: &Path) -> String {
-    use sha2::Digest;
-    let data = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-    let h = sha2::Sha256::digest(&data);
-    h.iter().map(|b| format!("{b:02x}")).collect::<String>()[..16].to_string()
-}
-
 fn clients_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("browser")
 }
@@ -83,7 +65,7 @@ fn prerequisites() -> Option<(PathBuf, PathBuf, PathBuf)> {
         .unwrap_or_else(|| {
             cache.join(format!(
                 "venv-{}",
-                hash16(&clients_dir().join("requirements.txt"))
+                ember_tests::hash16(&clients_dir().join("requirements.txt"))
             ))
         });
     let nm = std::env::var_os("EMBER_BROWSER_NODE_MODULES")
@@ -92,13 +74,13 @@ fn prerequisites() -> Option<(PathBuf, PathBuf, PathBuf)> {
             cache
                 .join(format!(
                     "node-{}",
-                    hash16(&clients_dir().join("package-lock.json"))
+                    ember_tests::hash16(&clients_dir().join("package-lock.json"))
                 ))
                 .join("node_modules")
         });
     let chromium = PathBuf::from("/usr/lib/chromium/chromium");
     let mut missing = Vec::new();
-    if !is_root() {
+    if !ember_tests::is_root() {
         missing.push("root".to_string());
     }
     if !Path::new("/dev/kvm").exists() {

@@ -763,3 +763,31 @@ pub fn run_code_text(rt: &ember_runtime::Runtime, id: &str, code: &str) -> (Stri
     assert!(err.is_empty(), "code in {id} failed: {err}\n{code}");
     (out, err)
 }
+
+/// Whether this process runs as root (the network, browser and secrets suites need it).
+pub fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+/// The programs of `tools` (name, an argument that makes it print its version) that are
+/// missing or fail here.
+pub fn missing_tools(tools: &[(&'static str, &str)]) -> Vec<&'static str> {
+    tools
+        .iter()
+        .filter(|(b, v)| {
+            std::process::Command::new(b)
+                .arg(v)
+                .output()
+                .map(|o| !o.status.success())
+                .unwrap_or(true)
+        })
+        .map(|(b, _)| *b)
+        .collect()
+}

@@ -40,18 +40,8 @@ const METADATA: &str = "169.254.169.254";
 
 /// Fails (CI) or explains (elsewhere) when the host cannot run this test.
 fn prerequisites(test: &str) -> bool {
-    let missing: Vec<&str> = [("nft", "--version"), ("ip", "-V")]
-        .into_iter()
-        .filter(|(b, v)| {
-            Command::new(b)
-                .arg(v)
-                .output()
-                .map(|o| !o.status.success())
-                .unwrap_or(true)
-        })
-        .map(|(b, _)| b)
-        .collect();
-    let root = unsafe_free_is_root();
+    let missing = ember_tests::missing_tools(&[("nft", "--version"), ("ip", "-V")]);
+    let root = ember_tests::is_root();
     if missing.is_empty() && root && std::path::Path::new("/dev/kvm").exists() {
         return true;
     }
@@ -61,17 +51,6 @@ fn prerequisites(test: &str) -> bool {
     );
     ember_tests::skip(test, &why);
     false
-}
-
-fn unsafe_free_is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .map(|l| l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false)
 }
 
 /// Counts connections accepted by a listener.

@@ -41,30 +41,13 @@ const DNS_IP: &str = "198.51.100.53";
 const SOCKS_IP: &str = "198.51.100.40";
 
 fn prerequisites(test: &str) -> bool {
-    let missing: Vec<&str> = [
+    let missing = ember_tests::missing_tools(&[
         ("nft", "--version"),
         ("ip", "-V"),
         ("openssl", "version"),
         ("python3", "--version"),
-    ]
-    .into_iter()
-    .filter(|(b, v)| {
-        Command::new(b)
-            .arg(v)
-            .output()
-            .map(|o| !o.status.success())
-            .unwrap_or(true)
-    })
-    .map(|(b, _)| b)
-    .collect();
-    let root = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .map(|l| l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false);
+    ]);
+    let root = ember_tests::is_root();
     if missing.is_empty() && root && Path::new("/dev/kvm").exists() {
         return true;
     }
