@@ -134,6 +134,7 @@ fn creates_forks_and_resumes_take_over_the_kept_connection() {
         &grandchild,
         &SnapshotRequest {
             name: Some("kept-conn".into()),
+            ..Default::default()
         },
     )
     .unwrap();

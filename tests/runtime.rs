@@ -221,6 +221,7 @@ fn fork_and_named_snapshots_continue_from_the_state() {
             &id,
             &SnapshotRequest {
                 name: Some("after-setup".into()),
+                ..Default::default()
             },
         )
         .unwrap();
@@ -239,7 +240,8 @@ fn fork_and_named_snapshots_continue_from_the_state() {
         .snapshot(
             &again,
             &SnapshotRequest {
-                name: Some("after-setup".into())
+                name: Some("after-setup".into()),
+                ..Default::default()
             }
         )
         .is_err());
@@ -248,6 +250,66 @@ fn fork_and_named_snapshots_continue_from_the_state() {
     }
     rt.kill(&again).unwrap();
     rt.delete_snapshot("after-setup").unwrap();
+}
+
+#[test]
+fn a_filesystem_only_snapshot_boots_with_the_files_and_without_the_state() {
+    let (_home, rt) = runtime();
+    let id = create(&rt, CreateRequest::default());
+    code(&rt, &id, "kept_in_memory = 7");
+    code(
+        &rt,
+        &id,
+        "open('/home/user/notes.txt', 'w').write('written before the snapshot')",
+    );
+    let t0 = Instant::now();
+    let snap = rt
+        .snapshot(
+            &id,
+            &SnapshotRequest {
+                name: Some("disk-only".into()),
+                memory: Some(false),
+            },
+        )
+        .unwrap();
+    eprintln!(
+        "filesystem-only snapshot: {:?}, {} bytes",
+        t0.elapsed(),
+        snap.bytes
+    );
+    assert!(!snap.memory);
+    let listed = rt.snapshots().unwrap();
+    let listed = listed.iter().find(|s| s.name == "disk-only").unwrap();
+    assert!(!listed.memory, "{listed:?}");
+    // The sandbox it was taken of keeps running with its state.
+    assert_eq!(code(&rt, &id, "kept_in_memory").2.as_deref(), Some("7"));
+    rt.kill(&id).unwrap();
+
+    let t0 = Instant::now();
+    let booted = create(
+        &rt,
+        CreateRequest {
+            snapshot: Some("disk-only".into()),
+            ..Default::default()
+        },
+    );
+    eprintln!("create by booting the disk: {:?}", t0.elapsed());
+    let info = rt.get(&booted).unwrap();
+    assert_eq!(info.state, State::Running);
+    assert_eq!(info.template.as_deref(), Some("default"));
+    // The files are there; the interpreter is new, warm and answers.
+    let (st, _, text) = code(&rt, &booted, "open('/home/user/notes.txt').read()");
+    assert_eq!(st, EndStatus::Ok);
+    assert_eq!(text.as_deref(), Some("'written before the snapshot'"));
+    assert_eq!(code(&rt, &booted, "kept_in_memory").0, EndStatus::Error);
+    assert_eq!(code(&rt, &booted, "6 * 7").2.as_deref(), Some("42"));
+    // It is a sandbox like any other: it pauses and resumes from its memory.
+    code(&rt, &booted, "after_boot = 1");
+    rt.pause(&booted).unwrap();
+    rt.resume(&booted).unwrap();
+    assert_eq!(code(&rt, &booted, "after_boot + 1").2.as_deref(), Some("2"));
+    rt.kill(&booted).unwrap();
+    rt.delete_snapshot("disk-only").unwrap();
 }
 
 #[test]

@@ -70,7 +70,17 @@ pub enum SandboxCmd {
     /// Pause a sandbox (snapshot to disk; any call resumes it).
     Pause(IdArgs),
     /// Resume a paused sandbox.
-    Resume(IdArgs),
+    Resume {
+        /// Sandbox id.
+        id: String,
+        /// Boot from its disk alone, ignoring the memory of its pause (its processes and
+        /// interpreter state are lost, its files kept; a cold boot takes tens of seconds).
+        #[arg(long)]
+        reboot: bool,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Kill a sandbox.
     Kill(IdArgs),
     /// Set a sandbox's timeout to SECS from now.
@@ -93,6 +103,10 @@ pub enum SandboxCmd {
         /// Its name (default `<id>-<time>`).
         #[arg(long)]
         name: Option<String>,
+        /// Keep the disk alone, not the memory: sandboxes created from it boot the template's
+        /// kernel on that disk (its files, none of its processes or interpreter state).
+        #[arg(long)]
+        no_memory: bool,
         /// JSON output.
         #[arg(long)]
         json: bool,
@@ -616,7 +630,10 @@ pub fn sandbox_main(a: SandboxArgs) -> ExitCode {
             show_network(&c, c.delete(&path, &[]), json)
         }
         SandboxCmd::Pause(x) => one(&c, x.json, c.action(&x.id, "pause"), false),
-        SandboxCmd::Resume(x) => one(&c, x.json, c.action(&x.id, "resume"), false),
+        SandboxCmd::Resume { id, reboot, json } => {
+            let body = serde_json::json!({ "reboot": reboot });
+            one(&c, json, c.action_with(&id, "resume", &body), false)
+        }
         SandboxCmd::Kill(x) => one(&c, x.json, c.kill(&x.id), false),
         SandboxCmd::Timeout {
             id,
@@ -627,8 +644,17 @@ pub fn sandbox_main(a: SandboxArgs) -> ExitCode {
             Ok(o) => one(&c, json, c.set_timeout(&id, secs, o), false),
             Err(e) => usage(e),
         },
-        SandboxCmd::Snapshot { id, name, json } => {
-            match c.snapshot(&id, &SnapshotRequest { name }) {
+        SandboxCmd::Snapshot {
+            id,
+            name,
+            no_memory,
+            json,
+        } => {
+            let req = SnapshotRequest {
+                name,
+                memory: no_memory.then_some(false),
+            };
+            match c.snapshot(&id, &req) {
                 Ok(s) if json => {
                     print_json(&s);
                     ExitCode::SUCCESS

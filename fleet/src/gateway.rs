@@ -667,9 +667,16 @@ impl Fleet {
                 blob,
             };
             let client = self.client(to);
-            let moved = client
-                .adopt(&req)
-                .and_then(|_| client.handle(call::Resume { id: c.id.clone() }.into(), Io::none()));
+            let moved = client.adopt(&req).and_then(|_| {
+                client.handle(
+                    call::Resume {
+                        id: c.id.clone(),
+                        reboot: false,
+                    }
+                    .into(),
+                    Io::none(),
+                )
+            });
             match moved {
                 Ok(_) => {
                     lock(&self.routes).insert(c.id.clone(), to.node.id.clone());

@@ -239,8 +239,12 @@ calls! {
     Kill "kill" { id: String } -> SandboxInfo;
     /// Pauses a sandbox (snapshot to disk; its VMM exits).
     Pause "pause" { id: String } -> SandboxInfo;
-    /// Resumes a paused sandbox.
-    Resume "resume" { id: String } -> SandboxInfo;
+    /// Resumes a paused sandbox; with `reboot`, from its disk alone (its memory ignored).
+    Resume "resume" {
+        id: String,
+        #[serde(default)]
+        reboot: bool,
+    } -> SandboxInfo;
     /// Sets a sandbox's timeout (seconds from now) and what happens then.
     SetTimeout "set_timeout" { id: String, secs: u64, on_timeout: Option<OnTimeout> } -> SandboxInfo;
     /// Takes a named snapshot of a sandbox.
@@ -506,7 +510,7 @@ impl Runtime {
             Request::Get(Get { id }) => Reply::Get(self.get(&id)?),
             Request::Kill(Kill { id }) => Reply::Kill(self.kill(&id)?),
             Request::Pause(Pause { id }) => Reply::Pause(self.pause(&id)?),
-            Request::Resume(Resume { id }) => Reply::Resume(self.resume(&id)?),
+            Request::Resume(Resume { id, reboot }) => Reply::Resume(self.resume_with(&id, reboot)?),
             Request::SetTimeout(SetTimeout {
                 id,
                 secs,

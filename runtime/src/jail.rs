@@ -184,9 +184,20 @@ pub fn boot(
     inner.kernel = PathBuf::from("/vmlinux");
     for (i, d) in inner.disks.iter_mut().enumerate() {
         let dest = format!("/disk{i}");
-        cfg.files
-            .push(file(&d.path, &dest, d.mode == DiskMode::ReadWrite));
+        // An overlay is the VM's own writable layer; its base is shared and read-only.
+        let writable = matches!(d.mode, DiskMode::ReadWrite | DiskMode::Overlay { .. });
+        cfg.files.push(file(&d.path, &dest, writable));
         d.path = PathBuf::from(dest);
+        if let DiskMode::Overlay { base } = &mut d.mode {
+            // Bound, not placed: a base on another file system would be copied whole.
+            let dest = PathBuf::from(format!("/disk{i}.base"));
+            cfg.binds.push(BindSpec {
+                src: base.clone(),
+                dest: dest.clone(),
+                read_only: true,
+            });
+            *base = dest;
+        }
     }
     let json = serde_json::to_vec_pretty(&inner).map_err(|e| JailSetupError::Io {
         what: "cannot encode",
@@ -415,6 +426,13 @@ mod tests {
             mode: DiskMode::ReadOnly,
             id: "rootfs".into(),
         });
+        vm.disks.push(ember_vmm::vm::DiskConfig {
+            path: "/state/disk0.overlay".into(),
+            mode: DiskMode::Overlay {
+                base: "/images/base.ext4".into(),
+            },
+            id: "data".into(),
+        });
         let j = boot(&opts, "vm-1", Path::new("/bin/sh"), &vm, work.path(), &[]).unwrap();
         let inner: VmConfig =
             serde_json::from_slice(&std::fs::read(work.path().join("vm.json")).unwrap()).unwrap();
@@ -425,6 +443,31 @@ mod tests {
             .files
             .iter()
             .any(|f| f.dest == Path::new("/disk0") && !f.writable));
+        // An overlay: its own file writable, its base read-only, both at in-jail paths.
+        assert_eq!(inner.disks[1].path, PathBuf::from("/disk1"));
+        assert_eq!(
+            inner.disks[1].mode,
+            DiskMode::Overlay {
+                base: "/disk1.base".into()
+            }
+        );
+        let f = |dest: &str| {
+            j.config
+                .files
+                .iter()
+                .find(|f| f.dest == Path::new(dest))
+                .cloned()
+        };
+        assert!(f("/disk1").unwrap().writable);
+        assert_eq!(
+            f("/disk1").unwrap().src,
+            PathBuf::from("/state/disk0.overlay")
+        );
+        assert!(j
+            .config
+            .binds
+            .iter()
+            .any(|b| b.dest == Path::new("/disk1.base") && b.read_only));
         assert_eq!(
             j.report_host,
             PathBuf::from("/srv/jail/vm-1/root/work/report.jsonl")

@@ -131,6 +131,10 @@ pub struct StartSpec<'a> {
     pub net: Option<Arc<crate::netpolicy::SandboxNet>>,
     /// The idle agent connection the snapshot kept, to take over.
     pub kept: Option<crate::agent_link::KeptConnection>,
+    /// Boot this VM (host paths) instead of restoring `snapshot`: a sandbox resumed from its
+    /// disk alone (`lifecycle::boot`). The guest then has `connect_timeout` to boot to its
+    /// agent.
+    pub boot: Option<(&'a ember_vmm::vm::VmConfig, std::time::Duration)>,
 }
 
 /// Reads the disks of a snapshot: from [`DISKS_FILE`] when the runtime wrote one, else from
@@ -228,16 +232,19 @@ pub fn start(
     std::fs::create_dir_all(&empty).map_err(RuntimeError::io("cannot create", &empty))?;
     let opts = jail_options(cfg, bins, spec.uid, spec.limits.clone());
     let extra = vmm_args(cfg);
-    let mut launch = jail::restore(
-        &opts,
-        spec.jail_id,
-        &bins.vmm,
-        spec.snapshot,
-        spec.disks,
-        &empty,
-        &extra,
-    )
-    .map_err(|e| RuntimeError::Internal(e.to_string()))?;
+    let launched = match spec.boot {
+        Some((vm, _)) => jail::boot(&opts, spec.jail_id, &bins.vmm, vm, &empty, &extra),
+        None => jail::restore(
+            &opts,
+            spec.jail_id,
+            &bins.vmm,
+            spec.snapshot,
+            spec.disks,
+            &empty,
+            &extra,
+        ),
+    };
+    let mut launch = launched.map_err(|e| RuntimeError::Internal(e.to_string()))?;
     launch.config.cgroup_parent = cfg.cgroup_parent();
     launch.config.netns = spec.net.as_ref().map(|n| n.path.clone());
     let mut command = Command::new(&bins.jailer);
@@ -252,7 +259,8 @@ pub fn start(
         die_with_parent: false,
         kept: spec.kept,
     };
-    match Sandbox::launch(spec.id.to_string(), ls, cfg.connect_timeout) {
+    let connect_timeout = spec.boot.map_or(cfg.connect_timeout, |(_, t)| t);
+    match Sandbox::launch(spec.id.to_string(), ls, connect_timeout) {
         Ok(sandbox) => Ok(Live {
             sandbox,
             jail: launch.config,

@@ -36,14 +36,24 @@ impl Runtime {
     ) -> Result<Option<Arc<SandboxNet>>, RuntimeError> {
         let has = crate::jail::snapshot_has_net(dir)
             .map_err(|e| RuntimeError::Internal(e.to_string()))?;
+        self.setup_net_with(has, jail_id, uid, policy)
+    }
+
+    /// [`Runtime::setup_net`] for a VM that has (`has`) or lacks a network device.
+    pub(super) fn setup_net_with(
+        &self,
+        has: bool,
+        jail_id: &str,
+        uid: u32,
+        policy: &NetworkPolicy,
+    ) -> Result<Option<Arc<SandboxNet>>, RuntimeError> {
         if !has {
             if policy.mode != NetMode::None {
                 return Err(RuntimeError::Invalid(format!(
-                    "network mode {:?} needs a template with a network device; {} has none \
-                     (rebuild it: templates get one unless their recipe says `[vm] network = \
-                     false`)",
+                    "network mode {:?} needs a template with a network device; this one has \
+                     none (rebuild it: templates get one unless their recipe says `[vm] network \
+                     = false`)",
                     policy.mode,
-                    dir.display()
                 )));
             }
             return Ok(None);

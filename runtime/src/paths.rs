@@ -85,6 +85,15 @@ pub fn random_id() -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// The marker file of a filesystem-only snapshot directory, one without memory or VM state
+/// (`lifecycle/boot.rs`).
+pub(crate) const FS_ONLY: &str = "ember-fs-only.json";
+
+/// Whether `dir` holds a filesystem-only snapshot (its sandboxes boot rather than restore).
+pub(crate) fn is_fs_only(dir: &Path) -> bool {
+    dir.join(FS_ONLY).is_file()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -611,18 +611,7 @@ impl Store {
                 "SELECT name, sandbox, template, dir, created_ms, bytes FROM snapshots \
                  WHERE name = ?1",
                 params![name],
-                |r| {
-                    Ok((
-                        SnapshotInfo {
-                            name: r.get(0)?,
-                            sandbox: r.get(1)?,
-                            template: r.get(2)?,
-                            created_at: rfc3339(r.get(4)?),
-                            bytes: r.get::<_, i64>(5)? as u64,
-                        },
-                        PathBuf::from(r.get::<_, String>(3)?),
-                    ))
-                },
+                snapshot_row,
             )
             .optional()
     }
@@ -630,17 +619,10 @@ impl Store {
     /// All named snapshots.
     pub fn snapshots(&self) -> StoreResult<Vec<SnapshotInfo>> {
         let mut st = self.conn.prepare_cached(
-            "SELECT name, sandbox, template, created_ms, bytes FROM snapshots ORDER BY created_ms",
+            "SELECT name, sandbox, template, dir, created_ms, bytes FROM snapshots \
+             ORDER BY created_ms",
         )?;
-        let rows = st.query_map([], |r| {
-            Ok(SnapshotInfo {
-                name: r.get(0)?,
-                sandbox: r.get(1)?,
-                template: r.get(2)?,
-                created_at: rfc3339(r.get(3)?),
-                bytes: r.get::<_, i64>(4)? as u64,
-            })
-        })?;
+        let rows = st.query_map([], |r| snapshot_row(r).map(|(info, _)| info))?;
         rows.collect()
     }
 
@@ -762,6 +744,23 @@ impl Store {
             .execute("DELETE FROM sandboxes WHERE id = ?1", params![id])?;
         Ok(())
     }
+}
+
+/// A `snapshots` row (name, sandbox, template, dir, created_ms, bytes). Whether it holds
+/// memory is told by its directory (a filesystem-only one has a marker file and no memory).
+fn snapshot_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(SnapshotInfo, PathBuf)> {
+    let dir = PathBuf::from(r.get::<_, String>(3)?);
+    Ok((
+        SnapshotInfo {
+            name: r.get(0)?,
+            sandbox: r.get(1)?,
+            template: r.get(2)?,
+            created_at: rfc3339(r.get(4)?),
+            bytes: r.get::<_, i64>(5)? as u64,
+            memory: !crate::paths::is_fs_only(&dir),
+        },
+        dir,
+    ))
 }
 
 #[cfg(test)]

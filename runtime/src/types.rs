@@ -356,6 +356,13 @@ pub struct SnapshotInfo {
     pub created_at: String,
     /// Bytes on disk (allocated).
     pub bytes: u64,
+    /// Whether it holds the memory (restored) or the disk alone (booted).
+    #[serde(default = "yes")]
+    pub memory: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Arguments of `snapshot`.
@@ -365,6 +372,12 @@ pub struct SnapshotRequest {
     /// The name (letters, digits, `-`, `_`, `.`; unique). Default: `<sandbox>-<time>`.
     #[serde(default)]
     pub name: Option<String>,
+    /// Keep the memory (default `true`): sandboxes created from the snapshot restore in
+    /// milliseconds where it left off. `false` keeps the disk alone (after a `sync` in the
+    /// guest): sandboxes created from it boot the template's current kernel on that disk and
+    /// run its warm-up, with the files and without the processes or interpreter state.
+    #[serde(default)]
+    pub memory: Option<bool>,
 }
 
 /// Arguments of `fork`.

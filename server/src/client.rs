@@ -399,10 +399,20 @@ impl Client {
 
     /// `POST /v1/sandboxes/{id}/{action}` with an empty body.
     pub fn action<T: DeserializeOwned>(&self, id: &str, action: &str) -> Result<T, ClientError> {
+        self.action_with(id, action, &serde_json::json!({}))
+    }
+
+    /// `POST /v1/sandboxes/{id}/{action}` with a body.
+    pub fn action_with<T: DeserializeOwned>(
+        &self,
+        id: &str,
+        action: &str,
+        body: &serde_json::Value,
+    ) -> Result<T, ClientError> {
         self.send(
             "POST",
             &format!("/v1/sandboxes/{}/{action}", segment(id)),
-            &serde_json::json!({}),
+            body,
         )
     }
 

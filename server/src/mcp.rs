@@ -1032,7 +1032,11 @@ impl EmberMcp {
 
     #[tool(description = "Resume a paused sandbox.")]
     async fn resume_sandbox(&self, Parameters(a): Parameters<SandboxArgs>) -> CallToolResult {
-        self.lifecycle(call::Resume { id: a.sandbox_id }).await
+        self.lifecycle(call::Resume {
+            id: a.sandbox_id,
+            reboot: false,
+        })
+        .await
     }
 
     #[tool(description = "Kill a sandbox: its VM and disk are gone (artifacts stay).")]

@@ -28,7 +28,7 @@ use ember_runtime::{
     components(schemas(
         ErrorBody, ErrorDetail, OkBody, StreamLine, TemplateSummary, VmShapeInfo, BuildBody,
         CreateRequest, SandboxInfo, State, OnTimeout, NetworkPolicy, NetMode, ExposedPort, SandboxNetwork, Resources, Transition,
-        TimeoutBody, ForkRequest, SnapshotRequest, SnapshotInfo, ContextBody, ContextOut,
+        TimeoutBody, ResumeBody, ForkRequest, SnapshotRequest, SnapshotInfo, ContextBody, ContextOut,
         RunCodeBody, ExecBody, ExecUserBody, EntryOut, StatOut, WrittenOut, MkdirBody,
         RenameBody, ArtifactInfo, AuditRecord, ExposeBody, NetworkBody,
         ember_runtime::NetworkInfo, ember_runtime::netpolicy::NetStats, ember_runtime::netpolicy::DropStats,

@@ -217,14 +217,27 @@ pub async fn pause(State(st): State<AppState>, Path(id): Path<String>) -> JsonRe
         .map(Json)
 }
 
-/// Resumes a paused sandbox.
+/// Resumes a paused sandbox (from its memory; with `reboot`, booted from its disk alone).
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", tag = "sandboxes",
     params(("id" = String, Path, description = "Sandbox id")),
+    request_body(content = Option<ResumeBody>),
     responses((status = 200, body = SandboxInfo), (status = 409, body = ErrorBody)))]
-pub async fn resume(State(st): State<AppState>, Path(id): Path<String>) -> JsonResult<SandboxInfo> {
-    st.call(move |b| b.call(call::Resume { id: id.to_string() }, Io::none()))
-        .await
-        .map(Json)
+pub async fn resume(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<ResumeBody>,
+) -> JsonResult<SandboxInfo> {
+    st.call(move |b| {
+        b.call(
+            call::Resume {
+                id: id.to_string(),
+                reboot: body.reboot,
+            },
+            Io::none(),
+        )
+    })
+    .await
+    .map(Json)
 }
 
 /// Sets the timeout to `timeout_secs` from now.

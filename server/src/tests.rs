@@ -413,7 +413,7 @@ mod dispatch {
                 Request::Get(Get { id }) => Reply::Get(self.get(&id)?),
                 Request::Kill(Kill { id }) => Reply::Kill(self.kill(&id)?),
                 Request::Pause(Pause { id }) => Reply::Pause(self.pause(&id)?),
-                Request::Resume(Resume { id }) => Reply::Resume(self.resume(&id)?),
+                Request::Resume(Resume { id, .. }) => Reply::Resume(self.resume(&id)?),
                 Request::SetTimeout(SetTimeout {
                     id,
                     secs,

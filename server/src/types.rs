@@ -62,6 +62,17 @@ pub struct TimeoutBody {
     pub on_timeout: Option<OnTimeout>,
 }
 
+/// Body of `POST /v1/sandboxes/{id}/resume` (optional).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResumeBody {
+    /// Boot from the sandbox's disk alone, ignoring the memory of its pause (default `false`):
+    /// its processes and interpreter state are lost, its files kept. The rescue path for a
+    /// pause whose memory no longer restores (a template rebuilt with another kernel).
+    #[serde(default)]
+    pub reboot: bool,
+}
+
 fn python() -> String {
     "python".into()
 }

@@ -455,6 +455,28 @@ def snapshot():
 
 
 @check("create")
+def filesystem_snapshot_and_reboot():
+    s = made(Sandbox.create(timeout=600))
+    s.run_code("v = 'in memory'")
+    s.files.write(f"{D}/on-disk.txt", "on disk")
+    info, dt = timed(s.create_snapshot, mode="filesystem")
+    expect(info.snapshot_id, "no snapshot_id")
+    note(f"create_snapshot(mode='filesystem') {dt:.2f} s")
+    eq(s.run_code("v").text, "in memory", "the source runs after the snapshot")
+    # A pause keeps the memory; a reboot keeps what reached the disk: flush it first.
+    eq(s.commands.run("sync").exit_code, 0, "sync")
+    eq(s.pause(), True, "pause()")
+    # A cold boot plus the template's warm-up: tens of seconds on kvm_pvm.
+    r, dt = timed(Sandbox.connect, s.sandbox_id, on_resume="reboot", request_timeout=600)
+    note(f"connect(on_resume='reboot') {dt:.2f} s")
+    eq(r.files.read(f"{D}/on-disk.txt"), "on disk", "file after a reboot")
+    err = r.run_code("v").error
+    eq(err.name if err else None, "NameError", "memory state after a reboot")
+    eq(r.run_code("1 + 1").text, "2", "run_code after a reboot")
+    eq(r.kill(), True, "kill")
+
+
+@check("create")
 def kill():
     s = sbx()
     eq(s.kill(), True, "kill()")

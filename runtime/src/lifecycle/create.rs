@@ -112,7 +112,7 @@ impl Runtime {
         }
     }
 
-    fn limits(&self, r: &Resources) -> CgroupLimits {
+    pub(super) fn limits(&self, r: &Resources) -> CgroupLimits {
         CgroupLimits {
             memory_bytes: Some(r.memory_limit_mib << 20),
             cpu_quota_us: r.cpu_percent.map(|p| u64::from(p) * 1000),
@@ -346,7 +346,9 @@ impl Runtime {
             self.inner.pool.register(t, &src.dir);
         }
         let restore_dir = fork.map(|(_, d)| d.to_path_buf()).unwrap_or(src.dir);
-        self.start_vm(&slot, &restore_dir, "created")?;
+        // A filesystem-only snapshot has no memory to restore: its sandboxes boot.
+        let boot = fork.is_none() && crate::paths::is_fs_only(&restore_dir);
+        self.start_vm(&slot, &restore_dir, "created", boot)?;
         if edge_ca {
             if let Err(e) = self.install_edge_ca(&id) {
                 let _ = self.kill(&id);
@@ -361,17 +363,25 @@ impl Runtime {
     /// Starts the slot's VM from `dir` (state Creating or Resuming) and moves it to Running,
     /// or to Failed (create) / back to Paused (resume) with the reason. A create takes a warm
     /// VMM from the template's pool when one is ready (and fits its limits), else spawns one.
+    /// With `boot` (a filesystem-only snapshot, or a resume that ignores the memory), the VM
+    /// boots on the disk layer in `dir` instead (`boot.rs`): not through the start gate, whose
+    /// wait is sized for restores, nor from the pool.
     pub(super) fn start_vm(
         &self,
         slot: &Arc<Slot>,
         dir: &Path,
         what: &str,
+        boot: bool,
     ) -> Result<(), RuntimeError> {
         let cfg = &self.inner.cfg;
         let (row, from) = {
             let st = lock(&slot.st);
             (st.row.clone(), st.row.state)
         };
+        if boot {
+            let started = self.start_booted(dir, &row);
+            return self.started(slot, &row, from, started, what);
+        }
         // Starts wait in line when too many guests are starting at once (runtime/gate.rs).
         let Some(admitted) = self.inner.gate.admit(cfg.connect_timeout) else {
             let e = RuntimeError::Capacity(format!(
@@ -401,17 +411,30 @@ impl Runtime {
             Some(w) => self.start_pooled(w, &row, t0, kept),
             None => self.start_fresh(dir, &row, kept),
         };
+        let queued_ms = admitted.waited.as_secs_f64() * 1e3;
+        drop(admitted);
+        let started = started.map(|(uid, mut live)| {
+            live.pooled = pooled;
+            live.sandbox.set_queued_ms(queued_ms);
+            (uid, live)
+        });
+        self.started(slot, &row, from, started, what)
+    }
+
+    /// Moves the slot to Running with the VM `started`, or on its failure to Failed (create)
+    /// or back to Paused (resume).
+    fn started(
+        &self,
+        slot: &Arc<Slot>,
+        row: &SandboxRow,
+        from: State,
+        started: Result<(u32, Live), (RuntimeError, Option<u32>)>,
+        what: &str,
+    ) -> Result<(), RuntimeError> {
         let (uid, jail_id, started) = match started {
             Ok((uid, live)) => (Some(uid), live.jail.id.clone(), Ok(live)),
             Err((e, uid)) => (uid, String::new(), Err(e)),
         };
-        let queued_ms = admitted.waited.as_secs_f64() * 1e3;
-        drop(admitted);
-        let started = started.map(|mut live| {
-            live.pooled = pooled;
-            live.sandbox.set_queued_ms(queued_ms);
-            live
-        });
         let mut st = lock(&slot.st);
         match started {
             Ok(mut live) => {
@@ -489,6 +512,7 @@ impl Runtime {
                     limits: self.limits(&row.resources),
                     net: net.clone(),
                     kept,
+                    boot: None,
                 };
                 jailed::start(&self.inner.cfg, &self.inner.bins, &spec).inspect_err(|_| {
                     if let Some(n) = &net {

@@ -12,8 +12,9 @@ use crate::types::*;
 use crate::{lock, Runtime, RuntimeError};
 
 impl Runtime {
-    /// Takes a durable named snapshot (memory and disk) of a running sandbox, which keeps
-    /// running. `create` accepts the name as `snapshot`.
+    /// Takes a durable named snapshot of a running sandbox, which keeps running: memory and
+    /// disk, or with `memory: false` the disk alone (`boot.rs`). `create` accepts the name as
+    /// `snapshot`.
     pub fn snapshot(&self, id: &str, req: &SnapshotRequest) -> Result<SnapshotInfo, RuntimeError> {
         let name = req
             .name
@@ -26,12 +27,17 @@ impl Runtime {
             )));
         }
         let dest = self.inner.cfg.snapshots_dir().join(&name);
+        let memory = req.memory.unwrap_or(true);
         self.audited(
             id,
             "snapshot",
-            serde_json::json!({ "name": name }),
+            serde_json::json!({ "name": name, "memory": memory }),
             |vm, _| {
                 let row = self.row(id)?;
+                if !memory {
+                    // The disk alone: what the guest wrote must be on it, not in its cache.
+                    self.sync_guest(vm, id)?;
+                }
                 self.snapshot_to(
                     vm,
                     &row,
@@ -39,12 +45,19 @@ impl Runtime {
                     ember_vmm::api::SnapshotKind::Full,
                     ember_vmm::api::AfterSnapshot::Continue,
                 )?;
+                if !memory {
+                    if let Err(e) = super::boot::drop_memory(&dest) {
+                        let _ = std::fs::remove_dir_all(&dest);
+                        return Err(e);
+                    }
+                }
                 let info = SnapshotInfo {
                     name: name.clone(),
                     sandbox: id.to_string(),
                     template: row.template.clone(),
                     created_at: rfc3339(now_ms()),
                     bytes: dir_bytes(&dest),
+                    memory,
                 };
                 self.store().put_snapshot(&info, &dest, now_ms())?;
                 Ok(info)

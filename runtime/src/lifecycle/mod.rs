@@ -39,6 +39,7 @@ use crate::{lock, Runtime, RuntimeError, SlotState};
 pub use fence::KeepAlive;
 pub use moved::{LifecycleHooks, ResumeVerdict};
 
+mod boot;
 mod create;
 mod fence;
 mod fork;

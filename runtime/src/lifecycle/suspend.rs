@@ -250,12 +250,22 @@ impl Runtime {
 
     /// Resumes a paused sandbox (a no-op for a running one).
     pub fn resume(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {
-        self.timed(Some(id), "resume", serde_json::json!({}), || {
-            self.resume_inner(id)
-        })
+        self.resume_with(id, false)
     }
 
-    fn resume_inner(&self, id: &str) -> Result<SandboxInfo, RuntimeError> {
+    /// Resumes a paused sandbox; with `reboot`, from its disk alone: the memory of its pause
+    /// snapshot is ignored (kept, not modified) and the VM boots its template's kernel on the
+    /// disk (`boot.rs`), losing its processes and in-memory state. A no-op for a running one.
+    pub fn resume_with(&self, id: &str, reboot: bool) -> Result<SandboxInfo, RuntimeError> {
+        self.timed(
+            Some(id),
+            "resume",
+            serde_json::json!({ "reboot": reboot }),
+            || self.resume_inner(id, reboot),
+        )
+    }
+
+    fn resume_inner(&self, id: &str, reboot: bool) -> Result<SandboxInfo, RuntimeError> {
         let slot = self.slot(id)?;
         // The embedder may have given it to another host (a fleet): then it is not ours.
         if lock(&slot.st).row.state == State::Paused {
@@ -298,7 +308,12 @@ impl Runtime {
         self.transition(&slot, &mut st, State::Resuming, None);
         drop(st);
         drop(gate);
-        self.start_vm(&slot, &dir, "resumed")?;
+        let what = if reboot {
+            "resumed (booted from its disk)"
+        } else {
+            "resumed"
+        };
+        self.start_vm(&slot, &dir, what, reboot)?;
         let mut st = lock(&slot.st);
         st.row.pause_dir = None;
         let _ = self.store().update_sandbox(&st.row);

@@ -12,7 +12,7 @@ use ember_agent::client::Client;
 use ember_agent::protocol::{self, Call, EventKind};
 
 use super::key::{cache_root, kernel_identity, link_name, lock_file, template_key};
-use super::schema::{read_manifest, RootfsManifest, ServiceSpec};
+use super::schema::{read_manifest, RootfsManifest, ServiceSpec, WarmupSpec};
 use super::{check_name, io_err, Template, TemplateError, TemplateInfo, AGENT_PORT};
 use crate::images;
 
@@ -368,76 +368,20 @@ fn build_into(
         boot_ms as f64 / 1e3
     )));
 
-    let t_warm = Instant::now();
     // The connection stays open, idle, through the snapshot: the snapshot keeps it and every
     // sandbox takes it over (its host port names it).
     let (mut client, host_port) =
         crate::agent_link::connect(&uds, AGENT_PORT, Duration::from_secs(30))
             .map_err(|e| vmm_err(format!("agent connection failed: {e}")))?;
-    let req = protocol::WarmupRequest {
-        code: manifest.warmup.code.clone(),
-        contexts: manifest
-            .warmup
-            .contexts
-            .iter()
-            .map(|c| protocol::ContextCreateRequest {
-                language: c.language.clone(),
-                cwd: c.cwd.clone(),
-                env: merged_env(&manifest.env, &c.env),
-                id: Some(c.id.clone()),
-            })
-            .collect(),
-        spare: manifest.warmup.spare.clone(),
-        env: manifest.env.clone(),
-    };
     let timeout = opts.warmup_timeout.unwrap_or(Duration::from_secs(30 * 60));
-    let mut failure: Option<String> = None;
-    let status = client
-        .call(&Call::Warmup(req), timeout, |ev| {
-            match ev {
-                EventKind::Stdout { data } | EventKind::Stderr { data } => progress(
-                    BuildEvent::Output(String::from_utf8_lossy(&data).into_owned()),
-                ),
-                EventKind::Exception(x) => {
-                    failure = Some(format!(
-                        "{}: {}\n{}",
-                        x.name,
-                        x.value,
-                        x.traceback.join("\n")
-                    ))
-                }
-                _ => {}
-            }
-            Ok(())
-        })
-        .map_err(|e| TemplateError::Warmup {
-            name: name.into(),
-            message: e.to_string(),
-        })?;
-    if let Some(message) = failure {
-        return Err(TemplateError::Warmup {
-            name: name.into(),
-            message,
-        });
-    }
-    if status != protocol::EndStatus::Ok {
-        return Err(TemplateError::Warmup {
-            name: name.into(),
-            message: format!("the agent ended the warm-up with status {status:?}"),
-        });
-    }
-    let warmup_ms = t_warm.elapsed().as_millis() as u64;
-    let t_services = Instant::now();
-    for svc in &manifest.warmup.services {
-        progress(BuildEvent::Step(format!("starting service {}", svc.name)));
-        start_service(&mut client, &manifest.env, svc, progress).map_err(|message| {
-            TemplateError::Warmup {
-                name: name.into(),
-                message: format!("service {}: {message}", svc.name),
-            }
-        })?;
-    }
-    let services_ms = t_services.elapsed().as_millis() as u64;
+    let (warmup_ms, services_ms) = warm_up(
+        &mut client,
+        name,
+        &manifest.warmup,
+        &manifest.env,
+        timeout,
+        progress,
+    )?;
 
     // Let the guest finish what the warm-up left it to do (deferred kernel work after the
     // burst of imports and forks) before the snapshot: otherwise every clone does it again
@@ -525,6 +469,81 @@ fn build_into(
         ]),
         snapshot_bytes: allocated_bytes(&snap),
     })
+}
+
+/// Runs a template's warm-up (code, contexts, spare) and starts its services through the
+/// agent behind `client`: what a template build does before its snapshot, and what a
+/// sandbox booted from a filesystem-only snapshot does before it answers. Returns the
+/// warm-up's and the services' milliseconds.
+pub(crate) fn warm_up<S: ember_agent::client::Transport>(
+    client: &mut Client<S>,
+    name: &str,
+    warmup: &WarmupSpec,
+    env: &BTreeMap<String, String>,
+    timeout: Duration,
+    progress: &mut dyn FnMut(BuildEvent),
+) -> Result<(u64, u64), TemplateError> {
+    let t_warm = Instant::now();
+    let req = protocol::WarmupRequest {
+        code: warmup.code.clone(),
+        contexts: warmup
+            .contexts
+            .iter()
+            .map(|c| protocol::ContextCreateRequest {
+                language: c.language.clone(),
+                cwd: c.cwd.clone(),
+                env: merged_env(env, &c.env),
+                id: Some(c.id.clone()),
+            })
+            .collect(),
+        spare: warmup.spare.clone(),
+        env: env.clone(),
+    };
+    let mut failure: Option<String> = None;
+    let status = client
+        .call(&Call::Warmup(req), timeout, |ev| {
+            match ev {
+                EventKind::Stdout { data } | EventKind::Stderr { data } => progress(
+                    BuildEvent::Output(String::from_utf8_lossy(&data).into_owned()),
+                ),
+                EventKind::Exception(x) => {
+                    failure = Some(format!(
+                        "{}: {}\n{}",
+                        x.name,
+                        x.value,
+                        x.traceback.join("\n")
+                    ))
+                }
+                _ => {}
+            }
+            Ok(())
+        })
+        .map_err(|e| TemplateError::Warmup {
+            name: name.into(),
+            message: e.to_string(),
+        })?;
+    if let Some(message) = failure {
+        return Err(TemplateError::Warmup {
+            name: name.into(),
+            message,
+        });
+    }
+    if status != protocol::EndStatus::Ok {
+        return Err(TemplateError::Warmup {
+            name: name.into(),
+            message: format!("the agent ended the warm-up with status {status:?}"),
+        });
+    }
+    let warmup_ms = t_warm.elapsed().as_millis() as u64;
+    let t_services = Instant::now();
+    for svc in &warmup.services {
+        progress(BuildEvent::Step(format!("starting service {}", svc.name)));
+        start_service(client, env, svc, progress).map_err(|message| TemplateError::Warmup {
+            name: name.into(),
+            message: format!("service {}: {message}", svc.name),
+        })?;
+    }
+    Ok((warmup_ms, t_services.elapsed().as_millis() as u64))
 }
 
 /// Runs one `exec` to its end: the exit code (None: killed by a signal or timed out) and

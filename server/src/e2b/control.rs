@@ -450,17 +450,14 @@ async fn connect(
 ) -> Answer<Response> {
     let info = live(&st, &id).await?;
     let paused = matches!(info.state, SandboxState::Paused | SandboxState::Pausing);
-    if paused && body.memory == Some(false) {
-        return Err(E2bError::invalid(
-            "memory: false (on_resume=\"reboot\") is not supported: ember resumes a paused \
-             sandbox with its memory",
-        ));
-    }
+    // `memory: false` (`on_resume="reboot"`): the paused sandbox boots from its disk alone.
+    let reboot = body.memory == Some(false);
     let info = call(&st, move |b| {
         if paused {
             let info = b.call(
                 call::Resume {
                     id: info.id.to_string(),
+                    reboot,
                 },
                 Io::none(),
             )?;
@@ -504,7 +501,13 @@ async fn resume(
         ));
     }
     let info = call(&st, move |b| {
-        let info = b.call(call::Resume { id: id.to_string() }, Io::none())?;
+        let info = b.call(
+            call::Resume {
+                id: id.to_string(),
+                reboot: body.memory == Some(false),
+            },
+            Io::none(),
+        )?;
         match body.timeout {
             Some(t) => b.call(
                 call::SetTimeout {
@@ -676,14 +679,12 @@ async fn snapshot(
     E2bPath(id): E2bPath<String>,
     E2bJson(body): E2bJson<SnapshotBody>,
 ) -> Answer<Response> {
-    if body.memory == Some(false) {
-        return Err(E2bError::invalid(
-            "memory: false (a filesystem-only snapshot) is not supported: ember's snapshots \
-             always hold memory and disk",
-        ));
-    }
     live(&st, &id).await?;
-    let req = SnapshotRequest { name: body.name };
+    // `memory: false` (`mode="filesystem"`): the disk alone; sandboxes created from it boot.
+    let req = SnapshotRequest {
+        name: body.name,
+        memory: body.memory,
+    };
     let s = call(&st, move |b| {
         b.call(
             call::TakeSnapshot {

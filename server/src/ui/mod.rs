@@ -570,7 +570,7 @@ async fn resume(
     State(st): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
-    st.call(move |b| b.call(call::Resume { id }, Io::none()))
+    st.call(move |b| b.call(call::Resume { id, reboot: false }, Io::none()))
         .await
         .map(Json)
 }
