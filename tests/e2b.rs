@@ -61,9 +61,8 @@ use ember_tests::{bin, hash16, template, Serve};
 
 /// The checks run again over the TLS/Host route (a subset: the route, not the features, is
 /// what differs).
-const TLS_CHECKS: &str = "create,run_code_state,run_code_plot,run_code_error,envs_from_create,\
-commands_run,commands_exit_code,commands_background,commands_stdin,files_basic,files_watch_dir,\
-set_timeout_get_info,list_with_metadata,connect,pause_resume,kill";
+const TLS_CHECKS: &str = "create,run_code_state,run_code_error,commands_run,files_basic,\
+files_watch_dir,set_timeout_get_info,list_with_metadata,connect,pause_resume,kill";
 
 /// Where the SDKs are, or why they are not usable.
 struct Sdks {
