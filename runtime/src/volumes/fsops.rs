@@ -348,7 +348,8 @@ impl Vol {
         Ok(())
     }
 
-    /// Opens `path` for writing through a staging file.
+    /// Opens `path` for writing through a staging file. A file made by `create` exists (empty)
+    /// from now on, as after open(2) with `O_CREAT`.
     pub fn open_write(
         self: &Arc<Self>,
         path: &str,
@@ -356,6 +357,18 @@ impl Vol {
         excl: bool,
         trunc: bool,
         mode: u32,
+    ) -> io::Result<Handle> {
+        self.open_write_as(path, create, excl, trunc, mode, true)
+    }
+
+    fn open_write_as(
+        self: &Arc<Self>,
+        path: &str,
+        create: bool,
+        excl: bool,
+        trunc: bool,
+        mode: u32,
+        make_now: bool,
     ) -> io::Result<Handle> {
         let (d, leaf) = self.parent(path)?;
         let existing = fstatat_nofollow(&d, &leaf)?;
@@ -369,6 +382,7 @@ impl Vol {
             }
             Some(_) if excl => return Err(errno(libc::EEXIST)),
             None if !create => return Err(errno(libc::ENOENT)),
+            None if !make_now => {}
             None => {
                 // The file exists from now on (empty), as after open(O_CREAT).
                 open_beneath(
@@ -407,7 +421,9 @@ impl Vol {
 
     /// Writes everything `r` gives to `path` (made or replaced), atomically; answers the bytes.
     pub fn write_from(self: &Arc<Self>, path: &str, r: &mut dyn Read) -> io::Result<u64> {
-        let mut h = self.open_write(path, true, false, true, 0o644)?;
+        // The file appears (or changes) only when it is complete: nothing is left behind by a
+        // write that fails (the cap, a client that goes away).
+        let mut h = self.open_write_as(path, true, false, true, 0o644, false)?;
         let mut buf = vec![0u8; 1 << 20];
         let mut off = 0u64;
         loop {
@@ -618,6 +634,7 @@ mod tests {
         let e = v.write_from("big", &mut &[0u8; 11][..]).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::ENOSPC));
         assert_eq!(v.used(), 0);
+        assert!(v.stat("big").is_err());
         v.write_from("ok", &mut &[0u8; 10][..]).unwrap();
         v.unlink("ok").unwrap();
         assert_eq!(v.used(), 0);
