@@ -423,3 +423,125 @@ fn a_second_local_user_cannot_read_volumes() {
         );
     }
 }
+
+#[test]
+fn the_http_surfaces_cli_and_e2b_sdk_reach_volumes() {
+    if !prerequisites("the_http_surfaces_cli_and_e2b_sdk_reach_volumes") {
+        return;
+    }
+    let Some(venv) = std::env::var_os("EMBER_E2B_VENV").map(std::path::PathBuf::from) else {
+        skip(
+            "the_http_surfaces_cli_and_e2b_sdk_reach_volumes",
+            "no E2B Python SDK venv (EMBER_E2B_VENV; run `bash scripts/e2b-sdks.sh`)",
+        );
+        return;
+    };
+    template("default");
+    let home = tempfile::Builder::new()
+        .prefix("ember-vol-serve-")
+        .tempdir()
+        .unwrap();
+    let srv = Serve::start(home.path(), false);
+    let token = srv.token();
+    let cli = |args: &[&str], stdin: &[u8]| {
+        use std::io::Write;
+        use std::process::Stdio;
+        let mut c = std::process::Command::new(bin("ember"))
+            .args(args)
+            .env("EMBER_URL", &srv.url)
+            .env("EMBER_TOKEN", &token)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("ember");
+        c.stdin.take().unwrap().write_all(stdin).unwrap();
+        c.wait_with_output().unwrap()
+    };
+    let ok = |o: std::process::Output| {
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    // The CLI: create, put, cat, ls-files, mkdir, mv, ls, rm (refused while mounted).
+    ok(cli(&["volume", "create", "clivol", "--cap", "1M"], b""));
+    ok(cli(
+        &["volume", "put", "clivol", "-", "/a/b.txt"],
+        b"via cli\n",
+    ));
+    assert_eq!(
+        ok(cli(&["volume", "cat", "clivol", "a/b.txt"], b"")),
+        "via cli\n"
+    );
+    ok(cli(&["volume", "mkdir", "clivol", "/dir/sub"], b""));
+    ok(cli(
+        &["volume", "mv", "clivol", "/a/b.txt", "/dir/b.txt"],
+        b"",
+    ));
+    let files = ok(cli(&["volume", "ls-files", "clivol", "/dir"], b""));
+    assert!(
+        files.contains("/dir/b.txt") && files.contains("/dir/sub/"),
+        "{files}"
+    );
+    let sb = ok(cli(
+        &["sandbox", "create", "--volume", "clivol:/mnt/c:ro"],
+        b"",
+    ));
+    let sb = sb.trim();
+    let out = ok(cli(&["exec", sb, "--", "cat", "/mnt/c/dir/b.txt"], b""));
+    assert!(out.contains("via cli"), "{out}");
+    let refused = cli(&["volume", "rm", "clivol"], b"");
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("mounted"));
+    let listed = ok(cli(&["volume", "ls"], b""));
+    assert!(listed.contains("clivol") && listed.contains(sb), "{listed}");
+    // Native HTTP: past the cap is 507, a path that leaves the volume 400, no token 401.
+    let auth = format!("Bearer {token}");
+    let put = |path: &str, body: &[u8]| {
+        ureq::put(&format!("{}/v1/volumes/clivol/files", srv.url))
+            .query("path", path)
+            .set("Authorization", &auth)
+            .send_bytes(body)
+    };
+    assert!(matches!(
+        put("/big", &vec![0u8; 2 << 20]),
+        Err(ureq::Error::Status(507, _))
+    ));
+    assert!(matches!(
+        put("/../../x", b"x"),
+        Err(ureq::Error::Status(400, _))
+    ));
+    let anon = ureq::get(&format!("{}/v1/volumes", srv.url)).call();
+    assert!(matches!(anon, Err(ureq::Error::Status(401, _))), "{anon:?}");
+    ok(cli(&["sandbox", "kill", sb], b""));
+    ok(cli(&["volume", "rm", "clivol"], b""));
+
+    // The E2B SDK's Volume class, and volume_mounts at create.
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("e2b/test_volumes.py");
+    let out = std::process::Command::new(venv.join("bin/python"))
+        .arg(&script)
+        .env("E2B_API_KEY", &token)
+        .env("E2B_API_URL", &srv.url)
+        .env("E2B_SANDBOX_URL", &srv.url)
+        .env("E2B_VOLUME_API_URL", &srv.url)
+        .output()
+        .expect("run the SDK script");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the SDK script failed:\n{stdout}\n{}\nserver log:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        srv.log_tail(60)
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    assert_eq!(v["from_guest"], "from-guest\n", "{v}");
+    assert_eq!(v["in_b"], "from-sdk", "{v}");
+    assert_eq!(
+        v["listed"],
+        serde_json::json!(["guest.txt", "made", "sdk"]),
+        "{v}"
+    );
+    assert_eq!(v["after"], serde_json::json!(["guest.txt", "sdk"]), "{v}");
+    assert_eq!(v["info_name"], "e2b-vol", "{v}");
+    assert_eq!(v["destroyed"], true, "{v}");
+}
