@@ -384,13 +384,18 @@ impl Vol {
             None if !create => return Err(errno(libc::ENOENT)),
             None if !make_now => {}
             None => {
-                // The file exists from now on (empty), as after open(O_CREAT).
-                open_beneath(
+                // The file exists from now on (empty), as after open(O_CREAT); another writer
+                // that made it first is fine unless this one is exclusive.
+                match open_beneath(
                     &self.data,
                     path,
                     libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
                     (mode & 0o777) | 0o600,
-                )?;
+                ) {
+                    Ok(_) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EEXIST) && !excl => {}
+                    Err(e) => return Err(e),
+                }
             }
             _ => {}
         }

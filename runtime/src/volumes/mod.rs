@@ -309,7 +309,10 @@ impl Volumes {
         let meta = Meta {
             name: name.to_string(),
             cap_bytes: cap,
-            created_ms: crate::store::now_ms(),
+            created_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as i64)
+                .unwrap_or(0),
         };
         let tmp = dir.join(".meta.json.tmp");
         std::fs::write(&tmp, serde_json::to_vec(&meta).unwrap_or_default())
