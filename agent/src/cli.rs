@@ -20,6 +20,9 @@ over vsock or reboots. Run by hand it offers:
 usage: ember-agent --help | --version
        ember-agent parse-cmdline [CMDLINE]   parse CMDLINE (default: /proc/cmdline) as init would
        ember-agent encode-run COMMAND        print the ember.run=... argument that runs COMMAND
+       ember-agent volume-mount PORT NAME:PATH[:ro]...
+                                             mount host volumes (FUSE over vsock to host PORT)
+                                             and leave a daemon serving them (docs/volumes.md)
 
 Kernel command-line keys:
   {run}=<base64>   run `/bin/sh -c <decoded>` (standard base64, padding optional), then reboot
@@ -83,6 +86,23 @@ pub fn run(args: &[OsString], out: &mut dyn Write, err: &mut dyn Write) -> i32 {
             }
         },
         ["parse-cmdline", line] => parse_cmdline(line, out, err),
+        ["volume-mount", port, specs @ ..] if !specs.is_empty() => {
+            let Ok(port) = port.parse::<u32>() else {
+                let _ = writeln!(err, "error: volume-mount: PORT {port:?} is not a number");
+                return EXIT_USAGE;
+            };
+            let mut parsed = Vec::new();
+            for s in specs {
+                match crate::volume_fuse::parse_spec(s) {
+                    Ok(m) => parsed.push(m),
+                    Err(e) => {
+                        let _ = writeln!(err, "error: volume-mount: {e}");
+                        return EXIT_USAGE;
+                    }
+                }
+            }
+            crate::volume_fuse::mount_command(port, &parsed, err)
+        }
         ["encode-run", command] => {
             let _ = writeln!(out, "{}", cmdline::run_arg(command));
             0

@@ -28,4 +28,6 @@ pub mod protocol;
 pub mod reaper;
 pub mod server;
 pub mod system;
+pub mod volume_fuse;
+pub mod volume_wire;
 pub mod vsock;

@@ -13,6 +13,7 @@ mod template;
 mod term;
 mod tls;
 mod vm;
+mod volume;
 
 use std::process::ExitCode;
 
@@ -77,6 +78,9 @@ enum Cmd {
     /// Secrets that sandboxes' network rules put into requests at the edge (values go in,
     /// never come out; see docs/network.md).
     Secret(secret::SecretArgs),
+    /// Volumes: named durable directories mounted into sandboxes (`--volume NAME:/path`), and
+    /// their files from outside (docs/volumes.md).
+    Volume(volume::VolumeArgs),
     /// Serve MCP on stdio for a local agent, forwarding to the server's /mcp (EMBER_URL,
     /// EMBER_TOKEN); kills the sandboxes it created when it exits. `ember mcp --help` shows
     /// an MCP client's configuration.
@@ -109,6 +113,7 @@ fn main() -> ExitCode {
         Cmd::Artifacts(a) => remote::artifacts_main(a),
         Cmd::Logs(a) => remote::logs_main(a),
         Cmd::Secret(a) => secret::main(a),
+        Cmd::Volume(a) => volume::main(a),
         Cmd::Mcp(a) => mcp::main(a),
         Cmd::Screenshot(a) => browser::screenshot_main(a),
         Cmd::Tls(c) => tls::main(c),

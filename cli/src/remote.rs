@@ -281,6 +281,9 @@ pub struct CreateArgs {
     /// Network policy.
     #[command(flatten)]
     pub policy: PolicyArgs,
+    /// Mount a volume (`NAME:/path[:ro]`, repeatable; see `ember volume`).
+    #[arg(long = "volume", value_name = "NAME:/PATH[:ro]")]
+    pub volume: Vec<String>,
     /// Print the sandbox as JSON instead of its id.
     #[arg(long)]
     pub json: bool,
@@ -822,9 +825,17 @@ fn create(c: &Client, a: CreateArgs) -> ExitCode {
         Ok(l) => l,
         Err(e) => return usage(e),
     };
+    let mut volume_mounts = Vec::new();
+    for v in &a.volume {
+        match ember_runtime::volumes::VolumeMount::parse(v) {
+            Ok(m) => volume_mounts.push(m),
+            Err(e) => return usage(e),
+        }
+    }
     let req = CreateRequest {
         network,
         node_labels,
+        volume_mounts,
         template: a.template,
         snapshot: a.snapshot,
         timeout_secs: a.timeout,

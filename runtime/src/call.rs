@@ -266,6 +266,41 @@ calls! {
     SecretRotate "secret_rotate" { name: String, value: crate::secrets::SecretValue } -> crate::secrets::SecretInfo;
     /// Deletes a secret.
     SecretDelete "secret_delete" { name: String } -> ();
+    /// Creates a volume (docs/volumes.md).
+    VolumeCreate "volume_create" {
+        name: String,
+        #[serde(default)]
+        cap_bytes: Option<u64>,
+    } -> crate::volumes::VolumeInfo;
+    /// Every volume.
+    VolumeList "volume_list" {} -> Vec<crate::volumes::VolumeInfo>;
+    /// One volume.
+    VolumeGet "volume_get" { name: String } -> crate::volumes::VolumeInfo;
+    /// Deletes a volume (refused while mounted unless `force`).
+    VolumeDelete "volume_delete" {
+        name: String,
+        #[serde(default)]
+        force: bool,
+    } -> ();
+    /// A directory of a volume.
+    VolumeListFiles "volume_list_files" { name: String, path: String } -> Vec<crate::volumes::VolumeEntry>;
+    /// One path of a volume.
+    VolumeStat "volume_stat" { name: String, path: String } -> crate::volumes::VolumeEntry;
+    /// Reads a volume's file into [`Io::output`]; answers its length.
+    VolumeReadFile "volume_read_file" { name: String, path: String } -> u64;
+    /// Writes a volume's file from [`Io::input`] (atomically); answers the bytes written.
+    VolumeWriteFile "volume_write_file" { name: String, path: String } -> u64;
+    /// Makes a directory (and parents) in a volume.
+    VolumeMkdir "volume_mkdir" { name: String, path: String } -> ();
+    /// Removes a path of a volume.
+    VolumeRemove "volume_remove" {
+        name: String,
+        path: String,
+        #[serde(default)]
+        recursive: bool,
+    } -> ();
+    /// Renames a path of a volume.
+    VolumeRename "volume_rename" { name: String, from: String, to: String } -> ();
     /// Forks a sandbox into new ones.
     Fork "fork" { id: String, req: ForkRequest } -> Vec<SandboxInfo>;
     /// A sandbox's state history.
@@ -536,6 +571,39 @@ impl Runtime {
             }
             Request::SecretDelete(SecretDelete { name }) => {
                 Reply::SecretDelete(self.delete_secret(&name)?)
+            }
+            Request::VolumeCreate(VolumeCreate { name, cap_bytes }) => {
+                Reply::VolumeCreate(self.create_volume(&name, cap_bytes)?)
+            }
+            Request::VolumeList(VolumeList {}) => Reply::VolumeList(self.list_volumes()?),
+            Request::VolumeGet(VolumeGet { name }) => Reply::VolumeGet(self.volume(&name)?),
+            Request::VolumeDelete(VolumeDelete { name, force }) => {
+                Reply::VolumeDelete(self.delete_volume(&name, force)?)
+            }
+            Request::VolumeListFiles(VolumeListFiles { name, path }) => {
+                Reply::VolumeListFiles(self.volume_list_files(&name, &path)?)
+            }
+            Request::VolumeStat(VolumeStat { name, path }) => {
+                Reply::VolumeStat(self.volume_stat(&name, &path)?)
+            }
+            Request::VolumeReadFile(VolumeReadFile { name, path }) => {
+                let out = output.ok_or_else(|| missing("volume_read_file", "output"))?;
+                Reply::VolumeReadFile(self.volume_read_file(&name, &path, out)?)
+            }
+            Request::VolumeWriteFile(VolumeWriteFile { name, path }) => {
+                let input = input.ok_or_else(|| missing("volume_write_file", "input"))?;
+                Reply::VolumeWriteFile(self.volume_write_file(&name, &path, input)?)
+            }
+            Request::VolumeMkdir(VolumeMkdir { name, path }) => {
+                Reply::VolumeMkdir(self.volume_mkdir(&name, &path)?)
+            }
+            Request::VolumeRemove(VolumeRemove {
+                name,
+                path,
+                recursive,
+            }) => Reply::VolumeRemove(self.volume_remove(&name, &path, recursive)?),
+            Request::VolumeRename(VolumeRename { name, from, to }) => {
+                Reply::VolumeRename(self.volume_rename(&name, &from, &to)?)
             }
             Request::Fork(Fork { id, req }) => Reply::Fork(self.fork(&id, &req)?),
             Request::History(History { id }) => Reply::History(self.history(&id)?),

@@ -54,6 +54,9 @@ pub enum RuntimeError {
     /// The secrets store refused or failed.
     #[error(transparent)]
     Secret(#[from] crate::secrets::SecretError),
+    /// A volume call refused or failed.
+    #[error(transparent)]
+    Volume(#[from] crate::volumes::VolumeError),
     /// The caller went away; the work in the guest was stopped.
     #[error("{0}")]
     Cancelled(String),
@@ -165,6 +168,15 @@ impl RuntimeError {
                 crate::secrets::SecretError::Invalid(_) => ErrorClass::Invalid,
                 _ => ErrorClass::Internal,
             },
+            RuntimeError::Volume(e) => match e {
+                crate::volumes::VolumeError::NotFound(_)
+                | crate::volumes::VolumeError::NoSuchPath { .. } => ErrorClass::NotFound,
+                crate::volumes::VolumeError::Exists(_)
+                | crate::volumes::VolumeError::InUse { .. } => ErrorClass::Conflict,
+                crate::volumes::VolumeError::Invalid(_) => ErrorClass::Invalid,
+                crate::volumes::VolumeError::Full { .. } => ErrorClass::Capacity,
+                crate::volumes::VolumeError::Io { .. } => ErrorClass::Internal,
+            },
             RuntimeError::Conflict { .. } => ErrorClass::Conflict,
             RuntimeError::Capacity(_) => ErrorClass::Capacity,
             RuntimeError::Timeout { .. } => ErrorClass::Timeout,
@@ -193,6 +205,15 @@ impl RuntimeError {
                 crate::secrets::SecretError::Exists(_) => "secret_exists",
                 crate::secrets::SecretError::Invalid(_) => "invalid_request",
                 _ => "secrets_store_error",
+            },
+            RuntimeError::Volume(e) => match e {
+                crate::volumes::VolumeError::NotFound(_) => "volume_not_found",
+                crate::volumes::VolumeError::NoSuchPath { .. } => "volume_path_not_found",
+                crate::volumes::VolumeError::Exists(_) => "volume_exists",
+                crate::volumes::VolumeError::InUse { .. } => "volume_in_use",
+                crate::volumes::VolumeError::Invalid(_) => "invalid_request",
+                crate::volumes::VolumeError::Full { .. } => "volume_full",
+                crate::volumes::VolumeError::Io { .. } => "volume_io_error",
             },
             RuntimeError::Capacity(_) => "capacity",
             RuntimeError::Timeout { .. } => "timeout",

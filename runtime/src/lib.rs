@@ -48,6 +48,8 @@ mod network;
 pub mod pooled;
 mod secret_calls;
 mod usage;
+mod volume_calls;
+pub mod volumes;
 mod watches;
 
 use std::collections::{BTreeSet, HashMap};
@@ -102,6 +104,8 @@ struct Inner {
     hooks: Mutex<Option<Arc<dyn LifecycleHooks>>>,
     /// The secrets store (opened at first use; the egress proxy shares it).
     secrets: Arc<crate::secrets::Secrets>,
+    /// Volumes and who mounts them (docs/volumes.md).
+    volumes: Arc<crate::volumes::Volumes>,
 }
 
 /// One sandbox with a VMM or a pause snapshot.
@@ -221,6 +225,10 @@ impl Runtime {
             Err(e) => tracing::warn!("cannot check the modes of {}: {e}", cfg.home.display()),
         }
         let secrets = Arc::new(crate::secrets::Secrets::new(&cfg.home));
+        let volumes = Arc::new(
+            crate::volumes::Volumes::new(&cfg.home)
+                .map_err(RuntimeError::io("cannot open the volumes under", &cfg.home))?,
+        );
         let net = Arc::new(
             crate::netpolicy::NetManager::new(&cfg.home, cfg.network.clone())
                 .map_err(|e| RuntimeError::Internal(e.to_string()))?
@@ -258,6 +266,7 @@ impl Runtime {
                 pool,
                 gate: start_gate,
                 secrets,
+                volumes,
             }),
         };
         let weak = Arc::downgrade(&rt.inner);

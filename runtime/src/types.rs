@@ -200,6 +200,9 @@ pub struct CreateRequest {
     /// One host (`ember serve`) has no labels to match and ignores them.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub node_labels: BTreeMap<String, String>,
+    /// Volumes to mount into the guest (docs/volumes.md). A fork keeps its parent's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<crate::volumes::VolumeMount>,
 }
 
 /// The resource envelope of a sandbox.

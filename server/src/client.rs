@@ -320,6 +320,39 @@ impl Client {
         )
     }
 
+    /// Streams `data` into file `path` of volume `name`.
+    pub fn volume_upload(
+        &self,
+        name: &str,
+        path: &str,
+        data: impl Read,
+    ) -> Result<WrittenOut, ClientError> {
+        let resp = self
+            .request(
+                "PUT",
+                &format!("/v1/volumes/{}/files", segment(name)),
+                &[("path", path.to_string())],
+            )
+            .set("Content-Type", "application/octet-stream")
+            .send(data)
+            .map_err(|e| self.fail(e))?;
+        Self::decode(resp)
+    }
+
+    /// Streams file `path` of volume `name` into `out`.
+    pub fn volume_download(
+        &self,
+        name: &str,
+        path: &str,
+        out: &mut dyn Write,
+    ) -> Result<u64, ClientError> {
+        self.download_from(
+            &format!("/v1/volumes/{}/files", segment(name)),
+            &[("path", path.to_string())],
+            out,
+        )
+    }
+
     /// A PNG screenshot of a page of the sandbox's browser (`GET …/screenshot`; `target`:
     /// a page target id, default the first page) into `out`.
     pub fn screenshot(

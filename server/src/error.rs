@@ -109,7 +109,13 @@ impl ApiError {
 
 impl From<RuntimeError> for ApiError {
     fn from(e: RuntimeError) -> Self {
-        ApiError::new(status_of(e.class()), e.code(), e.to_string())
+        // A volume at its cap: 507, as WebDAV says of a full store.
+        let status = if e.code() == "volume_full" {
+            StatusCode::INSUFFICIENT_STORAGE
+        } else {
+            status_of(e.class())
+        };
+        ApiError::new(status, e.code(), e.to_string())
     }
 }
 

@@ -38,6 +38,7 @@ pub mod stream;
 pub mod tokens;
 pub mod types;
 pub mod ui;
+pub mod volumes;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -343,6 +344,17 @@ pub(crate) fn table(doc: utoipa::openapi::OpenApi) -> Table {
         .add(routes!(r::audit))
         .add(routes!(secrets::create_secret, secrets::list_secrets))
         .add(routes!(secrets::rotate_secret, secrets::delete_secret))
+        .add(routes!(volumes::create_volume, volumes::list_volumes))
+        .add(routes!(volumes::get_volume, volumes::delete_volume))
+        .add(routes!(
+            volumes::read_volume_file,
+            volumes::write_volume_file,
+            volumes::remove_volume_path
+        ))
+        .add(routes!(volumes::list_volume_files))
+        .add(routes!(volumes::stat_volume_path))
+        .add(routes!(volumes::mkdir_volume))
+        .add(routes!(volumes::rename_volume_path))
 }
 
 /// The routes as (method, path), in axum's path syntax. The paths come out of the

@@ -36,6 +36,8 @@ use ember_runtime::{
         ember_runtime::netpolicy::policy::Transform, ember_runtime::netpolicy::policy::EgressProxy,
         ember_runtime::secrets::SecretInfo,
         super::secrets::SecretCreateBody, super::secrets::SecretRotateBody,
+        ember_runtime::volumes::VolumeInfo, ember_runtime::volumes::VolumeEntry,
+        ember_runtime::volumes::VolumeMount, super::volumes::VolumeCreateBody,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = [])),
@@ -53,6 +55,8 @@ use ember_runtime::{
         (name = "audit", description = "The audit log"),
         (name = "secrets", description = "Secrets: values go in, never come out; sandboxes' \
             network rules use them through the host-side egress proxy"),
+        (name = "volumes", description = "Named durable directories, mounted into sandboxes at \
+            create (`volume_mounts`); their files through the content API (docs/volumes.md)"),
     )
 )]
 pub struct ApiDoc;

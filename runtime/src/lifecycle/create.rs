@@ -346,9 +346,24 @@ impl Runtime {
             self.inner.pool.register(t, &src.dir);
         }
         let restore_dir = fork.map(|(_, d)| d.to_path_buf()).unwrap_or(src.dir);
+        // Volumes (volume_calls.rs): recorded before the VM starts, mounted once it answers.
+        if let Err(e) =
+            self.volumes_register(&id, &req.volume_mounts, fork.map(|(p, _)| p.id.as_str()))
+        {
+            lock(&self.inner.slots).remove(&id);
+            let mut st = lock(&slot.st);
+            self.transition(&slot, &mut st, State::Failed, Some(e.to_string()));
+            return Err(e);
+        }
         // A filesystem-only snapshot has no memory to restore: its sandboxes boot.
         let boot = fork.is_none() && crate::paths::is_fs_only(&restore_dir);
         self.start_vm(&slot, &restore_dir, "created", boot)?;
+        if fork.is_none() {
+            if let Err(e) = self.volumes_mount_in_guest(&id) {
+                let _ = self.kill(&id);
+                return Err(e);
+            }
+        }
         if edge_ca {
             if let Err(e) = self.install_edge_ca(&id) {
                 let _ = self.kill(&id);
@@ -452,6 +467,7 @@ impl Runtime {
                 st.row.jail_id = Some(jail_id);
                 st.row.pid = pid;
                 st.row.start_ms = Some(ms);
+                self.volumes_started(&row.id, &live);
                 st.vm = Some(Arc::new(live));
                 st.expected_exit = false;
                 self.transition(slot, &mut st, State::Running, Some(what.to_string()));

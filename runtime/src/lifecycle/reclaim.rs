@@ -81,6 +81,7 @@ impl Runtime {
                     }
                     live.sandbox
                         .set_template(row.template.clone(), row.env.clone());
+                    self.volumes_started(&id, &live);
                     st.vm = Some(Arc::new(live));
                     if let Some(u) = row.uid {
                         lock(&self.inner.uids).insert(u);

@@ -314,6 +314,12 @@ impl Runtime {
             "resumed"
         };
         self.start_vm(&slot, &dir, what, reboot)?;
+        if reboot {
+            // A booted guest has none of the mounts its memory had.
+            if let Err(e) = self.volumes_mount_in_guest(id) {
+                tracing::warn!("sandbox {id}: its volumes are not mounted after the reboot: {e}");
+            }
+        }
         let mut st = lock(&slot.st);
         st.row.pause_dir = None;
         let _ = self.store().update_sandbox(&st.row);

@@ -39,7 +39,9 @@ type Answer<T> = Result<T, E2bError>;
 /// Serves one control-plane request with `router` (the surface's, built once): `X-API-KEY`
 /// must be the server's token.
 pub async fn handle(st: &E2bState, router: &Router, req: Request) -> Response {
-    if !api_key_ok(st, req.headers()) {
+    if !api_key_ok(st, req.headers())
+        && !super::volumes::content_token_ok(st, req.uri().path(), bearer(req.headers()))
+    {
         return E2bError::unauthorized(
             "missing or wrong X-API-KEY (set E2B_API_KEY to the server's token, from \
              $EMBER_HOME/token)",
@@ -50,6 +52,12 @@ pub async fn handle(st: &E2bState, router: &Router, req: Request) -> Response {
         Ok(resp) => resp,
         Err(never) => match never {},
     }
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = v.trim().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
 fn api_key_ok(st: &E2bState, headers: &HeaderMap) -> bool {
@@ -90,6 +98,28 @@ pub(super) fn routes() -> Router<E2bState> {
             get(super::secrets::get)
                 .post(super::secrets::update)
                 .delete(super::secrets::delete),
+        )
+        .route(
+            "/volumes",
+            post(super::volumes::create).get(super::volumes::list),
+        )
+        .route(
+            "/volumes/{id}",
+            get(super::volumes::get).delete(super::volumes::delete),
+        )
+        .route(
+            "/volumecontent/{id}/file",
+            get(super::volumes::read_file).put(super::volumes::write_file),
+        )
+        .route(
+            "/volumecontent/{id}/path",
+            get(super::volumes::stat_path)
+                .patch(super::volumes::patch_path)
+                .delete(super::volumes::remove_path),
+        )
+        .route(
+            "/volumecontent/{id}/dir",
+            get(super::volumes::list_dir).post(super::volumes::make_dir),
         );
     super::with_fallbacks(routes, "ember's E2B API")
 }
@@ -302,6 +332,18 @@ pub struct NewSandbox {
     pub allow_internet_access: Option<bool>,
     /// Egress lists.
     pub network: Option<E2bNetwork>,
+    /// Volumes to mount: `[{"name", "path"}]` (docs/volumes.md).
+    #[serde(rename = "volumeMounts")]
+    pub volume_mounts: Option<Vec<E2bVolumeMount>>,
+}
+
+/// `SandboxVolumeMount`.
+#[derive(Debug, Deserialize)]
+pub struct E2bVolumeMount {
+    /// The volume's name (its E2B id).
+    pub name: String,
+    /// Where it appears in the guest.
+    pub path: String,
 }
 
 /// `SandboxNetworkConfig`.
@@ -427,6 +469,16 @@ async fn create(
         }),
         env: body.env_vars.unwrap_or_default(),
         metadata: body.metadata.unwrap_or_default(),
+        volume_mounts: body
+            .volume_mounts
+            .unwrap_or_default()
+            .into_iter()
+            .map(|m| ember_runtime::volumes::VolumeMount {
+                name: m.name,
+                path: m.path,
+                read_only: false,
+            })
+            .collect(),
         ..Default::default()
     };
     // (A name that is no template but a named snapshot restores the snapshot: the runtime

@@ -43,6 +43,7 @@ pub mod rpc;
 pub mod secrets;
 pub mod target;
 pub mod tls;
+pub mod volumes;
 
 /// envd's port: files, processes, filesystem RPC.
 pub const ENVD_PORT: u16 = 49983;

@@ -132,6 +132,8 @@ pub fn classify(domain: Option<&str>, headers: &HeaderMap, uri: &Uri) -> Result<
         "/snapshots",
         "/templates",
         "/secrets",
+        "/volumes",
+        "/volumecontent",
     ]
     .iter()
     .any(|p| is_under(path, p))
