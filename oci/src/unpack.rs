@@ -70,6 +70,28 @@ impl Default for Limits {
     }
 }
 
+impl Limits {
+    /// The defaults, each overridable by the environment: `EMBER_IMAGE_MAX_BYTES`,
+    /// `EMBER_IMAGE_MAX_ENTRIES`, `EMBER_IMAGE_MAX_FILE_BYTES` (integers; a value that is not
+    /// one is an error naming it).
+    pub fn from_env() -> Result<Limits, String> {
+        let mut l = Limits::default();
+        for (var, field) in [
+            ("EMBER_IMAGE_MAX_BYTES", &mut l.total_bytes),
+            ("EMBER_IMAGE_MAX_ENTRIES", &mut l.entries),
+            ("EMBER_IMAGE_MAX_FILE_BYTES", &mut l.file_bytes),
+        ] {
+            if let Ok(v) = std::env::var(var) {
+                *field = v
+                    .trim()
+                    .parse()
+                    .map_err(|_| format!("{var}={v:?} is not a number of bytes or entries"))?;
+            }
+        }
+        Ok(l)
+    }
+}
+
 /// What an unpack did besides writing the tree.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct UnpackReport {

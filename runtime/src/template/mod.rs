@@ -38,14 +38,16 @@ use serde::{Deserialize, Serialize};
 use crate::images;
 
 pub mod build;
+pub mod image;
 pub mod key;
 pub mod schema;
 
 pub use build::{BuildEvent, BuildOptions};
 pub use key::{sha256_file, template_key};
 pub use schema::{
-    default_rootfs, recipe_path, ChecksSpec, ContextSpec, DebianSpec, FileMode, FileSpec, PipSpec,
-    Recipe, RecipeError, RootfsManifest, ServiceSpec, VmShape, VmSpec, WarmupSpec,
+    default_rootfs, default_rootfs_with, recipe_path, ChecksSpec, ContextSpec, DebianSpec,
+    FileMode, FileSpec, ImageSpec, PipSpec, Recipe, RecipeError, RootfsManifest, ServiceSpec,
+    VmShape, VmSpec, WarmupSpec,
 };
 
 /// The agent's vsock port.
