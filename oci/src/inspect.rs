@@ -80,7 +80,7 @@ impl Tree {
     fn open_read(&self, guest: &str) -> Result<OwnedFd, Errno> {
         let rel = guest.trim_start_matches('/');
         rustix::fs::openat2(
-            &self.u_root(),
+            self.u_root(),
             OsStr::new(if rel.is_empty() { "." } else { rel }),
             OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NONBLOCK,
             Mode::empty(),

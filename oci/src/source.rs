@@ -143,11 +143,15 @@ fn member_name(raw: &[u8]) -> Option<String> {
         .split('/')
         .filter(|p| !p.is_empty() && *p != ".")
         .collect();
-    if parts.iter().any(|p| *p == "..") {
+    if parts.contains(&"..") {
         return None;
     }
     Some(parts.join("/"))
 }
+
+/// What [`scan_archive`] found: the documents asked for (and `@<member>` → digest of each
+/// legacy member stored), and the archive's links (member → target member).
+type Scanned = (BTreeMap<String, Vec<u8>>, BTreeMap<String, String>);
 
 /// Reads every `blobs/sha256/<hex>` member of the tar at `path` into the store (verified
 /// against its name) and returns the small documents asked for by name.
@@ -157,7 +161,7 @@ fn scan_archive(
     store: &BlobStore,
     documents: &[&str],
     progress: Progress,
-) -> Result<(BTreeMap<String, Vec<u8>>, BTreeMap<String, String>), OciError> {
+) -> Result<Scanned, OciError> {
     let f = File::open(path).map_err(io_err("cannot open", path))?;
     let mut ar = tar::Archive::new(f);
     let mut docs = BTreeMap::new();
@@ -319,7 +323,7 @@ pub fn docker_archive(
                 }
             }
             if let Some(d) = docs.get(&format!("@{name}")) {
-                return Digest::parse(&String::from_utf8_lossy(d)).map_err(|m| bad(m));
+                return Digest::parse(&String::from_utf8_lossy(d)).map_err(&bad);
             }
             match links.get(&name) {
                 Some(t) => name = t.clone(),

@@ -332,3 +332,104 @@ pub fn apply_config(recipe: &mut Recipe, t: &ImageTree) -> Result<(), ImageError
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recipe(text: &str) -> Recipe {
+        Recipe::parse(text, Path::new("/recipes/t.toml")).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn tree(features: ember_oci::inspect::Features, config: &str) -> ImageTree {
+        let d = |c: char| {
+            ember_oci::Digest::parse(&format!("sha256:{}", c.to_string().repeat(64))).unwrap()
+        };
+        ImageTree {
+            tree: PathBuf::from("/nonexistent"),
+            key: "k".into(),
+            image: ember_oci::PulledImage {
+                reference: "oci:/x".into(),
+                config_digest: d('a'),
+                manifest_digest: None,
+                config: ember_oci::ImageConfig::parse("c", config.as_bytes(), 0).unwrap(),
+                layers: vec![],
+            },
+            features,
+        }
+    }
+
+    const CONFIG: &str = r#"{"config":{"Env":["PATH=/bin","A=image"],"WorkingDir":"/app","Cmd":["/bin/server","--port","8080"]},"rootfs":{"diff_ids":[]}}"#;
+
+    #[test]
+    fn run_code_needs_python_and_ipython_and_the_error_names_the_fix() {
+        let r = recipe("[image]\nref = \"busybox\"\n");
+        assert!(wants_python(&r));
+        let none = tree(Default::default(), CONFIG);
+        let e = check_features(&r, &none).unwrap_err().to_string();
+        assert!(
+            e.contains("run_code needs Python")
+                && e.contains("pip install ipython")
+                && e.contains("--no-code"),
+            "{e}"
+        );
+        let old = ember_oci::inspect::Features {
+            python3: true,
+            python_version: Some("3.7".into()),
+            ipython: true,
+            bash: true,
+            ..Default::default()
+        };
+        assert!(check_features(&r, &tree(old, CONFIG))
+            .unwrap_err()
+            .to_string()
+            .contains("Python 3.7"));
+        let no_ipython = ember_oci::inspect::Features {
+            python3: true,
+            python_version: Some("3.12".into()),
+            bash: true,
+            ..Default::default()
+        };
+        assert!(check_features(&r, &tree(no_ipython, CONFIG))
+            .unwrap_err()
+            .to_string()
+            .contains("IPython"));
+        let ok = ember_oci::inspect::Features {
+            python3: true,
+            python_version: Some("3.12".into()),
+            ipython: true,
+            bash: true,
+            ..Default::default()
+        };
+        check_features(&r, &tree(ok, CONFIG)).unwrap();
+        // Without code contexts nothing is asked of the image.
+        let bare = recipe("[image]\nref = \"busybox\"\n[warmup]\ncontexts = []\nspare = { python = 0, bash = 0 }\n");
+        assert!(!wants_python(&bare));
+        check_features(&bare, &none).unwrap();
+        // A service's program must be in the image.
+        let svc = recipe("[image]\nref = \"x\"\n[warmup]\ncontexts = []\nspare = { python = 0, bash = 0 }\n[[warmup.services]]\nname = \"b\"\nargv = [\"/usr/lib/chromium/chromium\"]\n");
+        let e = check_features(&svc, &none).unwrap_err().to_string();
+        assert!(e.contains("needs Chromium"), "{e}");
+    }
+
+    #[test]
+    fn the_image_config_goes_into_the_recipe() {
+        let mut r = recipe("[image]\nref = \"x\"\nstart = true\n[env]\nA = \"recipe\"\n");
+        apply_config(&mut r, &tree(Default::default(), CONFIG)).unwrap();
+        assert_eq!(r.env["A"], "recipe", "the recipe's [env] wins");
+        assert_eq!(r.env["PATH"], "/bin");
+        assert_eq!(r.warmup.contexts[0].cwd.as_deref(), Some("/app"));
+        let s = &r.warmup.services[0];
+        assert_eq!(
+            (s.name.as_str(), s.argv.join(" ")),
+            ("start", "/bin/server --port 8080".into())
+        );
+        let mut r = recipe("[image]\nref = \"x\"\nstart = true\n");
+        let e = apply_config(
+            &mut r,
+            &tree(Default::default(), r#"{"rootfs":{"diff_ids":[]}}"#),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("no Entrypoint or Cmd"), "{e}");
+    }
+}

@@ -1030,6 +1030,48 @@ mod tests {
     }
 
     #[test]
+    fn an_image_recipe_replaces_debian() {
+        let r = parse("[image]\nref = \"oci:layout\"\nstart = true\n").unwrap();
+        let img = r.image.as_ref().unwrap();
+        assert_eq!(
+            img.reference, "oci:/recipes/layout",
+            "local paths are made absolute"
+        );
+        assert!(img.start && r.debian.is_none());
+        for (text, key, want) in [
+            (
+                "[image]\nref = \"x\"\n[debian]\nsuite = \"bookworm\"\n",
+                "image",
+                "not both",
+            ),
+            (
+                "[image]\nref = \"Bad Ref\"\n",
+                "image.ref",
+                "not a reference",
+            ),
+            (
+                "[image]\nref = \"x\"\n[pip]\npackages = [\"numpy\"]\n",
+                "pip.packages",
+                "install the packages in the image",
+            ),
+            (
+                "[image]\nref = \"x\"\n[checks]\npython = [\"import os\"]\n",
+                "checks.python",
+                "warmup.code",
+            ),
+            (
+                "[image]\nreff = \"x\"\n",
+                "image.reff",
+                "did you mean `ref`",
+            ),
+        ] {
+            let e = parse(text).unwrap_err();
+            assert_eq!(e.key, key, "{text}: {e}");
+            assert!(e.to_string().contains(want), "{text}: {e}");
+        }
+    }
+
+    #[test]
     fn every_shipped_recipe_parses() {
         let files = shipped();
         let names: Vec<String> = files
