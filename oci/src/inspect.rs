@@ -265,6 +265,12 @@ impl Features {
     }
 }
 
+/// Whether `guest` (an absolute guest path) exists in the tree at `dest`, its symlinks followed
+/// inside the tree (never on the host).
+pub fn exists(dest: &Path, guest: &str) -> Result<bool, OciError> {
+    Ok(Tree::open(dest)?.exists(guest))
+}
+
 /// Reads what the tree at `dest` offers.
 pub fn inspect(dest: &Path) -> Result<Features, OciError> {
     let t = Tree::open(dest)?;

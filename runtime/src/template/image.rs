@@ -269,10 +269,9 @@ pub fn check_features(recipe: &Recipe, t: &ImageTree) -> Result<(), ImageError> 
     }
     for s in &w.services {
         let prog = &s.argv[0];
-        if prog.starts_with('/')
-            && !t.tree.join(prog.trim_start_matches('/')).exists()
-            && std::fs::symlink_metadata(t.tree.join(prog.trim_start_matches('/'))).is_err()
-        {
+        let present =
+            !prog.starts_with('/') || ember_oci::inspect::exists(&t.tree, prog).unwrap_or(false);
+        if !present {
             let hint = if prog.contains("chrom") {
                 " (the browser feature needs Chromium in the image)"
             } else {
