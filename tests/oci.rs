@@ -561,7 +561,9 @@ fn hostile_layers_are_refused_and_the_host_is_unchanged() {
         .tempdir()
         .expect("tempdir");
     let outside = Outside::new();
-    let cases: &[(&str, &str, &[(&str, &str)])] = &[
+    // (kind of hostile layer, what the error must say, environment of the build)
+    type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)]);
+    let cases: &[Case] = &[
         ("dotdot", "a '..' component", &[]),
         ("absolute", "an absolute name", &[]),
         ("hardlink-out", "hard link target", &[]),

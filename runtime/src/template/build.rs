@@ -73,7 +73,7 @@ impl Template {
         )));
         let rootfs = match &opts.rootfs {
             Some(r) => r.clone(),
-            None => super::schema::default_rootfs_with(&recipe_ref, &mut |line| {
+            None => super::rootfs::default_rootfs_with(&recipe_ref, &mut |line| {
                 progress(BuildEvent::Step(line))
             })?,
         };

@@ -5,7 +5,7 @@
 //! paths) and normalises it (defaults filled in, guest paths cleaned, file modes as integers,
 //! `[[files]] source` resolved to an absolute path). The rootfs builder reads that normalised
 //! recipe as JSON ([`Recipe::builder_json`]: `ember template check --json FILE`, or the file
-//! [`default_rootfs`] hands it with `--recipe-json`), so what it builds is
+//! [`super::rootfs::default_rootfs`] hands it with `--recipe-json`), so what it builds is
 //! exactly what was checked here. A mistake fails with the file, the key with its table path
 //! and, for a misspelt key, the nearest valid name:
 //!
@@ -18,7 +18,6 @@
 //! sides; the built VM's shape is [`VmShape`]).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::LazyLock;
 
@@ -949,51 +948,6 @@ fn serde_error(
     };
     err.line = line;
     err
-}
-
-/// The root filesystem image of `template` (a name in `rootfs/templates/` or a recipe file),
-/// built if the cache lacks it. The recipe is checked here ([`Recipe::load`]: the schema is
-/// Rust's) and `rootfs/build.sh` builds from the normalised recipe it is handed
-/// (`--recipe-json`), never from the TOML.
-pub fn default_rootfs(template: &str) -> Result<PathBuf, images::ImageError> {
-    default_rootfs_with(template, &mut |line| eprintln!("[image] {line}"))
-}
-
-/// [`default_rootfs`], reporting an `[image]` recipe's pull and unpack through `progress`.
-/// For such a recipe the tree comes from the image ([`super::image`]): it is pulled, unpacked
-/// and checked for the features the recipe asks for before the rootfs build runs, and its
-/// facts go to the build as the document's `image`.
-pub fn default_rootfs_with(
-    template: &str,
-    progress: &mut dyn FnMut(String),
-) -> Result<PathBuf, images::ImageError> {
-    let script = images::source_root()?.join("rootfs/build.sh");
-    let file = recipe_path(template)?;
-    let mut recipe = Recipe::load(&file).map_err(|e| images::ImageError::Recipe(Box::new(e)))?;
-    let mut image_facts = None;
-    if recipe.image.is_some() {
-        let tree = super::image::image_tree(&recipe, progress)?;
-        super::image::check_features(&recipe, &tree)?;
-        super::image::apply_config(&mut recipe, &tree)?;
-        image_facts = Some(tree.facts());
-    }
-    let hand_off = |source| images::ImageError::RecipeHandOff {
-        path: std::env::temp_dir(),
-        source,
-    };
-    let mut json = tempfile::Builder::new()
-        .prefix("ember-recipe-")
-        .suffix(".json")
-        .tempfile()
-        .map_err(hand_off)?;
-    let mut doc = recipe.builder_json(&file);
-    if let Some(facts) = image_facts {
-        doc["image"] = facts;
-    }
-    serde_json::to_writer(&mut json, &doc).map_err(|e| hand_off(e.into()))?;
-    json.flush().map_err(hand_off)?;
-    let path = json.path().to_string_lossy().into_owned();
-    images::run_script(&script, &["--recipe-json", &path])
 }
 
 /// The recipe file for `template`: a path (it has a `/` or ends in `.toml`) or a name in the
