@@ -350,7 +350,8 @@ fn registry_image_becomes_a_template_that_runs_code_and_exec_and_archives_share_
         .tempdir()
         .expect("tempdir");
     // Layer 1: the default template's Debian tree (Python + IPython), uncompressed; layer 2
-    // (gzip): the app directory and a file.
+    // (gzip): the app directory and a file, with fixed mtimes, so that a run with the same
+    // cached tree makes the same image and finds its template built.
     let tree = default_tree();
     let app = work.path().join("app");
     std::fs::create_dir_all(app.join("srv/app")).expect("mkdir");
@@ -361,7 +362,7 @@ fn registry_image_becomes_a_template_that_runs_code_and_exec_and_archives_share_
         layout.to_str().expect("utf-8"),
         "--layer-dir",
         tree.to_str().expect("utf-8"),
-        "--layer-dir",
+        "--layer-dir-fixed",
         app.to_str().expect("utf-8"),
         "--gzip-last",
         "--env",

@@ -4,7 +4,7 @@ oci-archive forms, hostile layers, and a push to a registry (Docker Registry HTT
 monolithic blob uploads + a manifest PUT). Only ever talks to the registry it is given (the
 test's own, in its network namespace).
 
-  mkimage.py layout OUT --layer-dir DIR [--layer-dir DIR2 | --layer-tar T.tar] [--gzip-last]
+  mkimage.py layout OUT --layer-dir DIR [--layer-dir[-fixed] DIR2 | --layer-tar T.tar] [--gzip-last]
                     [--env K=V]... [--workdir D] [--cmd ARG]...
   mkimage.py docker-archive LAYOUT OUT.tar
   mkimage.py oci-archive LAYOUT OUT.tar
@@ -64,10 +64,11 @@ def layout(out: Path, layers: list[tuple[str, str]], gzip_last: bool, env: list[
     descs, diff_ids = [], []
     for i, (kind, src) in enumerate(layers):
         tmp = out / f".layer{i}.tar"
-        if kind == "dir":
+        if kind in ("dir", "dir-fixed"):
             # GNU tar for speed (creating a test fixture; ember's unpacker reads it). The files
             # keep their mtimes: Python's bytecode is checked against its source's mtime.
-            subprocess.run(["tar", "-C", src, "--numeric-owner", "--xattrs", "--sort=name",
+            fixed = ["--mtime=@1700000000"] if kind == "dir-fixed" else []
+            subprocess.run(["tar", "-C", src, "--numeric-owner", "--xattrs", "--sort=name", *fixed,
                             "-cf", str(tmp), "."], check=True)
         else:
             shutil.copyfile(src, tmp)
@@ -230,6 +231,10 @@ def main(argv: list[str]) -> None:
             v = argv[i + 1]
             if a == "--layer-dir":
                 layers.append(("dir", v))
+            elif a == "--layer-dir-fixed":
+                # Every mtime set to one value: the same files give the same layer, run after
+                # run (not for trees with Python bytecode, which is checked against mtimes).
+                layers.append(("dir-fixed", v))
             elif a == "--layer-tar":
                 layers.append(("tar", v))
             elif a == "--env":
