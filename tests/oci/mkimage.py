@@ -68,7 +68,10 @@ def layout(out: Path, layers: list[tuple[str, str]], gzip_last: bool, env: list[
             # GNU tar for speed (creating a test fixture; ember's unpacker reads it). The files
             # keep their mtimes: Python's bytecode is checked against its source's mtime.
             fixed = ["--mtime=@1700000000"] if kind == "dir-fixed" else []
+            # --xattrs makes a pax archive, whose headers would carry atime and ctime: left out,
+            # so that the same tree makes the same layer.
             subprocess.run(["tar", "-C", src, "--numeric-owner", "--xattrs", "--sort=name", *fixed,
+                            "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime",
                             "-cf", str(tmp), "."], check=True)
         else:
             shutil.copyfile(src, tmp)
