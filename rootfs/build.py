@@ -184,6 +184,12 @@ def recipe_from_json(doc: dict) -> dict:
                          f"{doc.get('ember_recipe') if isinstance(doc, dict) else None!r}): "
                          f"is ember older or newer than this script?")
     r = doc["recipe"]
+    image = doc.get("image")
+    if (r.get("debian") is None) == (image is None):
+        raise BuildError("the recipe document needs exactly one of recipe.debian and image "
+                         "(an [image] recipe is built by `ember template build`, which pulls and "
+                         "unpacks the image first)")
+    debian = r.get("debian") or {"suite": None, "variant": None, "packages": []}
     files = []
     for f in r["files"]:
         if "content" in f:
@@ -197,9 +203,13 @@ def recipe_from_json(doc: dict) -> dict:
     return {
         "name": r["name"],
         "description": r["description"],
-        "suite": r["debian"]["suite"],
-        "variant": r["debian"]["variant"],
-        "packages": r["debian"]["packages"],
+        "suite": debian["suite"],
+        "variant": debian["variant"],
+        "packages": debian["packages"],
+        # An [image] recipe: the tree is unpacked by ember (Rust, runtime/src/template/image.rs)
+        # into rootfs-base/<image.tree_key>/ before this script runs; nothing here runs code
+        # from it (no chroot), and paths in it are resolved inside it (resolve_in_root).
+        "image": image,
         "pip": r["pip"]["packages"],
         "files": files,
         "checks": r["checks"]["python"],
@@ -216,7 +226,11 @@ def load_recipe(path: Path) -> dict:
 
 
 def base_key(recipe: dict) -> str:
-    """Key of layer 1: what goes into the tree (not the warm-up) and the scripts that build it."""
+    """Key of layer 1: what goes into the tree (not the warm-up) and the scripts that build it.
+    For an [image] recipe: the key ember unpacked the image's tree under (its config digest, the
+    unpacker's version and the recipe's files)."""
+    if recipe["image"] is not None:
+        return recipe["image"]["tree_key"]
     build_part = {
         "suite": recipe["suite"],
         "variant": recipe["variant"],
@@ -426,6 +440,13 @@ def lock(cache: Path, name: str):
 def build_base(recipe: dict, key1: str, cache: Path, rebuild: bool) -> Path:
     final = cache / "rootfs-base" / key1
     tree = final / "tree"
+    if recipe["image"] is not None:
+        if not (final / "recipe.json").exists():
+            raise BuildError(f"the tree of image {recipe['image']['ref']} is not in {final}: "
+                             f"[image] recipes are built by `ember template build`, which unpacks it")
+        log(f"layer 1 (image {recipe['image']['ref']}, config {recipe['image']['config_digest'][:19]}) "
+            f"unpacked by ember: {final}")
+        return tree
     with lock(cache, f"base-{key1}"):
         if (final / "recipe.json").exists() and not rebuild:
             log(f"layer 1 (Debian tree) cached: {final}")
@@ -814,10 +835,39 @@ def tree_size(tree: Path) -> tuple[int, int]:
     return blocks * BLOCK, inodes
 
 
+def resolve_in_root(root: Path, rel: str) -> Path:
+    """`rel` resolved as the guest would see it: every symlink on the way followed with `root` as
+    `/` (absolute targets are inside the root, `..` stops at it), so a tree from an image can
+    never lead a write out of itself. The last component is resolved too; what does not exist
+    is returned as is (under the last directory that does)."""
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    done: list[str] = []
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        if part == "..":
+            if done:
+                done.pop()
+            continue
+        here = root.joinpath(*done, part)
+        if here.is_symlink():
+            hops += 1
+            if hops > 40:
+                raise BuildError(f"{rel}: too many symlinks in the tree {root}")
+            target = os.readlink(here)
+            if target.startswith("/"):
+                done = []
+            parts = [p for p in target.split("/") if p not in ("", ".")] + parts
+            continue
+        done.append(part)
+    out = root.joinpath(*done)
+    if os.path.commonpath([str(out), str(root)]) != str(root):
+        raise BuildError(f"{rel} resolves outside the tree {root}")
+    return out
+
+
 def install_agent(staging: Path, agent: Path) -> None:
-    sbin = staging / "sbin"
-    if sbin.is_symlink():
-        sbin = staging / os.readlink(sbin).lstrip("/")
+    sbin = resolve_in_root(staging, "sbin")
     sbin.mkdir(parents=True, exist_ok=True)
     dest = sbin / "ember-agent"
     tmp = sbin / ".ember-agent.tmp"
@@ -834,9 +884,10 @@ def install_agent(staging: Path, agent: Path) -> None:
     init.symlink_to("ember-agent")
 
 
-def install_drivers(staging: Path, drivers: list[tuple[str, Path]]) -> None:
-    """The Python driver's files as /usr/lib/ember/<name> (0644), with their bytecode."""
-    dest_dir = staging / DRIVER_DEST.lstrip("/")
+def install_drivers(staging: Path, drivers: list[tuple[str, Path]], compile_bytecode: bool = True) -> None:
+    """The Python driver's files as /usr/lib/ember/<name> (0644), with their bytecode (not for
+    an image's tree: compiling would run the image's Python on the host)."""
+    dest_dir = resolve_in_root(staging, DRIVER_DEST)
     dest_dir.mkdir(parents=True, exist_ok=True)
     for name, src in drivers:
         dest = dest_dir / name
@@ -845,6 +896,8 @@ def install_drivers(staging: Path, drivers: list[tuple[str, Path]]) -> None:
         os.chown(tmp, 0, 0)
         os.chmod(tmp, 0o644)
         tmp.rename(dest)  # a file from layer 1 here would be a hard link: never write into it
+    if not compile_bytecode:
+        return
     if any(name.endswith(".py") for name, _ in drivers) and (staging / "usr/bin/python3").exists():
         res = chroot_run(staging, ["/usr/bin/python3", "-c",
                                    f"import compileall, sys; sys.exit(not compileall.compile_dir({DRIVER_DEST!r}, "
@@ -892,9 +945,12 @@ def build_image(recipe: dict, key1: str, base_tree: Path, agent: Path, drivers: 
             # Hard links: instant, and nothing below writes into an existing file.
             run(["cp", "-al", str(base_tree), str(staging)])
             install_agent(staging, agent)
-            chroot_check(staging, ["/sbin/ember-agent", "--help"], None)
-            chroot_check(staging, ["/sbin/init", "--version"], None)
-            install_drivers(staging, drivers)
+            from_image = recipe["image"] is not None
+            if not from_image:
+                # An image's tree is never chrooted into: nothing of it runs on the host.
+                chroot_check(staging, ["/sbin/ember-agent", "--help"], None)
+                chroot_check(staging, ["/sbin/init", "--version"], None)
+            install_drivers(staging, drivers, compile_bytecode=not from_image)
             if not drivers:
                 log(f"no Python driver files in {DRIVER_SRC} (yet): none installed in {DRIVER_DEST}")
 
@@ -918,7 +974,8 @@ def build_image(recipe: dict, key1: str, base_tree: Path, agent: Path, drivers: 
                         raise BuildError(f"{e} (the content, {data / 2**20:.0f} MiB, may not fit in "
                                          f"[vm] disk_mib = {recipe['vm']['disk_mib']})") from e
                     raise
-                verify_image(tmp_image, staging, drivers)
+                verify_image(tmp_image, staging, drivers,
+                             "/" + str(resolve_in_root(staging, "sbin").relative_to(staging)))
                 facts = {
                     "image_key": key2,
                     "base_key": key1,
@@ -977,7 +1034,10 @@ def manifest(recipe: dict, key1: str, key2: str, key3: str, facts: dict) -> dict
         "python_driver": driver if driver in facts["drivers"] else None,
         "matplotlib_config_dir": facts.get("matplotlib_config_dir"),
         "driver_files": facts["drivers"],
-        "debian": {"suite": recipe["suite"], "variant": recipe["variant"], "packages": recipe["packages"]},
+        **({"debian": {"suite": recipe["suite"], "variant": recipe["variant"], "packages": recipe["packages"]}}
+           if recipe["image"] is None else
+           {"image": {k: recipe["image"][k] for k in ("ref", "config_digest", "manifest_digest", "unpacker",
+                                                      "working_dir", "user", "start_command", "features")}}),
         "pip": recipe["pip"],
         "image_built_at": facts["built_at"],
     }
@@ -1016,19 +1076,20 @@ def build_template(recipe: dict, key1: str, key2: str, key3: str, image: Path, c
         return final / "rootfs.ext4"
 
 
-def verify_image(image: Path, staging: Path, drivers: list[tuple[str, Path]]) -> None:
-    """fsck, and the agent, /sbin/init and the driver files inside the image are what was installed."""
+def verify_image(image: Path, staging: Path, drivers: list[tuple[str, Path]], sbin: str = "/usr/sbin") -> None:
+    """fsck, and the agent, /sbin/init and the driver files inside the image are what was installed.
+    `sbin` is where /sbin leads in the tree (/usr/sbin on merged-/usr trees)."""
     run(["e2fsck", "-fn", str(image)], stderr=subprocess.PIPE)
-    res = run(["debugfs", "-R", "stat /usr/sbin/init", str(image)],
+    res = run(["debugfs", "-R", f"stat {sbin}/init", str(image)],
               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     if 'Fast link dest: "ember-agent"' not in res.stdout:
-        raise BuildError(f"{image}: /usr/sbin/init is not a symlink to ember-agent:\n{res.stdout}")
+        raise BuildError(f"{image}: {sbin}/init is not a symlink to ember-agent:\n{res.stdout}")
     dumped = image.parent / f".agent-check.{os.getpid()}"
     try:
-        run(["debugfs", "-R", f"dump /usr/sbin/ember-agent {dumped}", str(image)],
+        run(["debugfs", "-R", f"dump {sbin}/ember-agent {dumped}", str(image)],
             stderr=subprocess.DEVNULL)
-        if sha256_file(dumped) != sha256_file(staging / "usr/sbin/ember-agent"):
-            raise BuildError(f"{image}: /usr/sbin/ember-agent differs from the installed binary")
+        if sha256_file(dumped) != sha256_file(staging / sbin.lstrip("/") / "ember-agent"):
+            raise BuildError(f"{image}: {sbin}/ember-agent differs from the installed binary")
         for name, src in drivers:
             dumped.unlink()
             run(["debugfs", "-R", f"dump {DRIVER_DEST}/{name} {dumped}", str(image)], stderr=subprocess.DEVNULL)

@@ -248,6 +248,34 @@ class TreeTests(unittest.TestCase):
                 build.add_user(tree)  # twice: uid 1000 is taken
 
 
+class ImageTreeTests(unittest.TestCase):
+    def test_resolve_in_root_keeps_symlinks_inside_the_tree(self):
+        with tempfile.TemporaryDirectory() as d:
+            root = Path(d) / "tree"
+            (root / "usr/sbin").mkdir(parents=True)
+            os.symlink("usr/sbin", root / "sbin")
+            os.symlink("/etc", root / "abs")              # absolute: the tree's /etc
+            os.symlink("../../../..", root / "up")          # climbs: stops at the tree's root
+            self.assertEqual(build.resolve_in_root(root, "sbin"), root / "usr/sbin")
+            self.assertEqual(build.resolve_in_root(root, "abs/passwd"), root / "etc/passwd")
+            self.assertEqual(build.resolve_in_root(root, "up/usr/lib/ember"), root / "usr/lib/ember")
+            os.symlink("loop", root / "loop")
+            with self.assertRaises(build.BuildError):
+                build.resolve_in_root(root, "loop/x")
+
+    def test_an_image_recipe_uses_the_tree_ember_unpacked(self):
+        doc = checked()
+        del doc["recipe"]["debian"]
+        doc["image"] = {"tree_key": "k" * 64, "ref": "oci:/x", "config_digest": "sha256:" + "a" * 64}
+        r = build.recipe_from_json(doc)
+        self.assertEqual(build.base_key(r), "k" * 64)
+        with tempfile.TemporaryDirectory() as d:
+            with self.assertRaisesRegex(build.BuildError, "ember template build"):
+                build.build_base(r, "k" * 64, Path(d), False)
+        with self.assertRaisesRegex(build.BuildError, "exactly one"):
+            build.recipe_from_json({**checked(), "image": doc["image"]})
+
+
 class HostSourcesTests(unittest.TestCase):
     def test_picks_the_suite_from_deb822_and_one_line_files(self):
         with tempfile.TemporaryDirectory() as tmp:

@@ -40,8 +40,24 @@ pub enum TemplateCmd {
 /// `ember template build`.
 #[derive(Debug, Args)]
 pub struct BuildArgs {
-    /// Template name: a recipe in rootfs/templates/NAME.toml.
+    /// Template name: a recipe in rootfs/templates/NAME.toml (or, with --from-image, the
+    /// name to build the image as).
     pub name: String,
+    /// Build from an OCI/Docker image instead of a recipe: a registry reference
+    /// (`registry.example/team/py:3.12`, `python@sha256:...`; credentials from
+    /// ~/.docker/config.json or the containers auth.json), `docker-archive:PATH` (docker
+    /// save), `oci-archive:PATH` or `oci:DIR` (an OCI layout). Layers are unpacked on the host
+    /// with every path kept inside the tree, nothing from the image runs on the host, and the
+    /// image must have Python >= 3.8 with IPython unless --no-code. See docs/images.md.
+    #[arg(long, value_name = "REF")]
+    pub from_image: Option<String>,
+    /// With --from-image: no code contexts (exec and files only), for images without
+    /// Python or IPython.
+    #[arg(long, requires = "from_image")]
+    pub no_code: bool,
+    /// With --from-image: start the image's Entrypoint + Cmd as a service before the snapshot.
+    #[arg(long, requires = "from_image")]
+    pub start: bool,
     /// Build again even if a build with the same inputs exists.
     #[arg(long)]
     pub rebuild: bool,
@@ -74,10 +90,22 @@ pub fn main(cmd: TemplateCmd) -> ExitCode {
 
 fn build(a: BuildArgs) -> ExitCode {
     let t0 = Instant::now();
+    // --from-image: a recipe of one `[image]` table, written beside nothing (local paths in the
+    // reference are made absolute first: the recipe lives in a temporary directory).
+    let recipe_dir = match &a.from_image {
+        Some(reference) => match image_recipe(&a.name, reference, a.no_code, a.start) {
+            Ok(d) => Some(d),
+            Err(e) => return fail(e),
+        },
+        None => None,
+    };
     let opts = BuildOptions {
         kernel: a.kernel,
         rootfs: a.rootfs,
         rebuild: a.rebuild,
+        recipe: recipe_dir
+            .as_ref()
+            .map(|d| d.path().join(format!("{}.toml", a.name))),
         ..Default::default()
     };
     let mut up_to_date = false;
@@ -122,6 +150,48 @@ fn build(a: BuildArgs) -> ExitCode {
         }
         Err(e) => fail(e),
     }
+}
+
+/// A temporary directory holding `NAME.toml`: an `[image]` recipe for `reference`.
+fn image_recipe(
+    name: &str,
+    reference: &str,
+    no_code: bool,
+    start: bool,
+) -> Result<tempfile::TempDir, String> {
+    let absolute = |prefix: &str| -> Option<String> {
+        let rest = reference.strip_prefix(prefix)?;
+        let p = std::path::Path::new(rest);
+        let p = if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            std::env::current_dir().ok()?.join(p)
+        };
+        Some(format!("{prefix}{}", p.display()))
+    };
+    let reference = ["docker-archive:", "oci-archive:", "oci:"]
+        .into_iter()
+        .find_map(absolute)
+        .unwrap_or_else(|| reference.to_string());
+    let quote = |s: &str| serde_json::to_string(s).unwrap_or_default();
+    let mut text = format!(
+        "name = {}\n\n[image]\nref = {}\n",
+        quote(name),
+        quote(&reference)
+    );
+    if start {
+        text.push_str("start = true\n");
+    }
+    if no_code {
+        text.push_str("\n[warmup]\ncontexts = []\nspare = { python = 0, bash = 0 }\n");
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("ember-image-recipe-")
+        .tempdir()
+        .map_err(|e| format!("cannot create a temporary directory: {e}"))?;
+    let file = dir.path().join(format!("{name}.toml"));
+    std::fs::write(&file, text).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    Ok(dir)
 }
 
 fn check(recipe: &str, json: bool) -> ExitCode {

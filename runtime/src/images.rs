@@ -41,6 +41,12 @@ pub enum ImageError {
         /// Why.
         source: std::io::Error,
     },
+    /// The image could not be pulled or unpacked (or was refused).
+    #[error(transparent)]
+    Oci(#[from] ember_oci::OciError),
+    /// The image lacks what the template asks of it (the message names the fix).
+    #[error("{0}")]
+    Feature(String),
     /// Running it failed.
     #[error("cannot run {script}: {source}")]
     Run {

@@ -73,7 +73,9 @@ impl Template {
         )));
         let rootfs = match &opts.rootfs {
             Some(r) => r.clone(),
-            None => super::schema::default_rootfs(&recipe_ref)?,
+            None => super::rootfs::default_rootfs_with(&recipe_ref, &mut |line| {
+                progress(BuildEvent::Step(line))
+            })?,
         };
         let manifest = read_manifest(&rootfs)?;
         let profile = ember_vmm::HostKvm::detect().default_profile();
@@ -500,28 +502,37 @@ pub(crate) fn warm_up<S: ember_agent::client::Transport>(
         env: env.clone(),
     };
     let mut failure: Option<String> = None;
-    let status = client
-        .call(&Call::Warmup(req), timeout, |ev| {
-            match ev {
-                EventKind::Stdout { data } | EventKind::Stderr { data } => progress(
-                    BuildEvent::Output(String::from_utf8_lossy(&data).into_owned()),
-                ),
-                EventKind::Exception(x) => {
-                    failure = Some(format!(
-                        "{}: {}\n{}",
-                        x.name,
-                        x.value,
-                        x.traceback.join("\n")
-                    ))
+    // A template without code contexts (an image without Python: exec and files only) has
+    // nothing to warm: the warm-up call would start a Python zygote.
+    let nothing_to_warm =
+        req.code.is_empty() && req.contexts.is_empty() && req.spare.values().all(|n| *n == 0);
+    let status = if nothing_to_warm {
+        progress(BuildEvent::Step("no code contexts: no warm-up".into()));
+        protocol::EndStatus::Ok
+    } else {
+        client
+            .call(&Call::Warmup(req), timeout, |ev| {
+                match ev {
+                    EventKind::Stdout { data } | EventKind::Stderr { data } => progress(
+                        BuildEvent::Output(String::from_utf8_lossy(&data).into_owned()),
+                    ),
+                    EventKind::Exception(x) => {
+                        failure = Some(format!(
+                            "{}: {}\n{}",
+                            x.name,
+                            x.value,
+                            x.traceback.join("\n")
+                        ))
+                    }
+                    _ => {}
                 }
-                _ => {}
-            }
-            Ok(())
-        })
-        .map_err(|e| TemplateError::Warmup {
-            name: name.into(),
-            message: e.to_string(),
-        })?;
+                Ok(())
+            })
+            .map_err(|e| TemplateError::Warmup {
+                name: name.into(),
+                message: e.to_string(),
+            })?
+    };
     if let Some(message) = failure {
         return Err(TemplateError::Warmup {
             name: name.into(),

@@ -6,6 +6,10 @@
 //!   recipe — and the rootfs build's `manifest.json` ([`RootfsManifest`]).
 //! - [`key`]: a template's key (the hash of everything that goes into its snapshot) and the
 //!   cache's paths, lock and name links.
+//! - [`image`]: `[image]` recipes (templates from OCI/Docker images, docs/images.md): pull,
+//!   unpack into the rootfs build's layer 1, feature checks, the image config folded in.
+//! - [`rootfs`]: the root filesystem of a recipe ([`default_rootfs`]: `rootfs/build.sh` on the
+//!   checked recipe, after [`image`] for an `[image]` recipe).
 //! - [`build`]: the build ([`Template::build`]: boot, warm-up, services, snapshot).
 //! - here: [`Template`] (open, list, remove), its record [`TemplateInfo`] and the errors.
 //!
@@ -38,13 +42,16 @@ use serde::{Deserialize, Serialize};
 use crate::images;
 
 pub mod build;
+pub mod image;
 pub mod key;
+pub mod rootfs;
 pub mod schema;
 
 pub use build::{BuildEvent, BuildOptions};
 pub use key::{sha256_file, template_key};
+pub use rootfs::{default_rootfs, default_rootfs_with};
 pub use schema::{
-    default_rootfs, recipe_path, ChecksSpec, ContextSpec, DebianSpec, FileMode, FileSpec, PipSpec,
+    recipe_path, ChecksSpec, ContextSpec, DebianSpec, FileMode, FileSpec, ImageSpec, PipSpec,
     Recipe, RecipeError, RootfsManifest, ServiceSpec, VmShape, VmSpec, WarmupSpec,
 };
 

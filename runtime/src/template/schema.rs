@@ -5,7 +5,7 @@
 //! paths) and normalises it (defaults filled in, guest paths cleaned, file modes as integers,
 //! `[[files]] source` resolved to an absolute path). The rootfs builder reads that normalised
 //! recipe as JSON ([`Recipe::builder_json`]: `ember template check --json FILE`, or the file
-//! [`default_rootfs`] hands it with `--recipe-json`), so what it builds is
+//! [`super::rootfs::default_rootfs`] hands it with `--recipe-json`), so what it builds is
 //! exactly what was checked here. A mistake fails with the file, the key with its table path
 //! and, for a misspelt key, the nearest valid name:
 //!
@@ -18,7 +18,6 @@
 //! sides; the built VM's shape is [`VmShape`]).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::LazyLock;
 
@@ -57,8 +56,12 @@ pub struct Recipe {
     /// Where sandbox code leaves its artifacts (an absolute guest path).
     #[serde(default = "default_outputs")]
     pub outputs: String,
-    /// The Debian tree.
-    pub debian: DebianSpec,
+    /// The Debian tree (exactly one of `debian` and `image`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub debian: Option<DebianSpec>,
+    /// An OCI/Docker image as the tree instead (docs/images.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<ImageSpec>,
     /// pip requirements installed into the tree.
     #[serde(default)]
     pub pip: PipSpec,
@@ -91,6 +94,19 @@ pub struct DebianSpec {
     /// Extra packages (`name`, `name:arch` or `name=version`).
     #[serde(default)]
     pub packages: Vec<String>,
+}
+
+/// `[image]`: the root tree comes from an OCI/Docker image instead of mmdebstrap.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageSpec {
+    /// A registry reference, `docker-archive:PATH`, `oci-archive:PATH` or `oci:DIR` (paths
+    /// relative to the recipe; absolute after [`Recipe::load`]).
+    #[serde(rename = "ref")]
+    pub reference: String,
+    /// Start the image's `Entrypoint` + `Cmd` as a service (`start`) before the snapshot.
+    #[serde(default)]
+    pub start: bool,
 }
 
 /// `[pip]`.
@@ -526,17 +542,6 @@ impl Recipe {
     fn check(&mut self, file: &Path) -> Result<(), RecipeError> {
         static NAME: LazyLock<Regex> = LazyLock::new(|| full(r"[A-Za-z0-9][A-Za-z0-9._-]*"));
         static ID: LazyLock<Regex> = LazyLock::new(|| full(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"));
-        static SUITE: LazyLock<Regex> = LazyLock::new(|| full(r"[a-z][a-z0-9-]*"));
-        static PACKAGE: LazyLock<Regex> =
-            LazyLock::new(|| full(r"[a-z0-9][a-z0-9+.-]*(:[a-z0-9]+)?(=[A-Za-z0-9.+:~-]+)?"));
-        const VARIANTS: [&str; 6] = [
-            "minbase",
-            "essential",
-            "apt",
-            "required",
-            "important",
-            "standard",
-        ];
         let bad = |key: &str, message: String| RecipeError::new(file, key, message);
 
         let name = match self.name.take() {
@@ -563,32 +568,43 @@ impl Recipe {
             )
         })?;
 
-        let d = &self.debian;
-        if !SUITE.is_match(&d.suite) {
-            return Err(bad(
-                "debian.suite",
-                format!(
-                    "`debian.suite` must be a Debian code name such as \"bookworm\" (got {:?})",
-                    d.suite
-                ),
-            ));
-        }
-        if !VARIANTS.contains(&d.variant.as_str()) {
-            return Err(bad(
-                "debian.variant",
-                format!(
-                    "`debian.variant` {:?} is not one of {}",
-                    d.variant,
-                    VARIANTS.join(", ")
-                ),
-            ));
-        }
-        for (i, p) in d.packages.iter().enumerate() {
-            if !PACKAGE.is_match(p) {
+        match (&self.debian, &mut self.image) {
+            (Some(d), None) => check_debian(d, file)?,
+            (None, Some(img)) => {
+                img.reference =
+                    image_reference(&img.reference, file.parent().unwrap_or(Path::new(".")))
+                        .map_err(|m| bad("image.ref", m))?;
+                if !self.pip.packages.is_empty() {
+                    return Err(bad(
+                        "pip.packages",
+                        "`pip.packages` is for [debian] recipes (pip runs in a chroot on the host, \
+                         which an image's code never does): install the packages in the image"
+                            .into(),
+                    ));
+                }
+                if !self.checks.python.is_empty() {
+                    return Err(bad(
+                        "checks.python",
+                        "`checks.python` is for [debian] recipes (checks run in a chroot on the \
+                         host, which an image's code never does): use `warmup.code`, run in the \
+                         template's VM"
+                            .into(),
+                    ));
+                }
+            }
+            (None, None) => {
                 return Err(bad(
-                    &format!("debian.packages[{i}]"),
-                    format!("`debian.packages[{i}]`: {p:?} is not a Debian package name"),
-                ));
+                    "debian",
+                    "`debian` is required: a recipe starts from [debian] (a Debian tree) or \
+                     [image] (an OCI/Docker image)"
+                        .into(),
+                ))
+            }
+            (Some(_), Some(_)) => {
+                return Err(bad(
+                    "image",
+                    "give one of [debian] and [image], not both".into(),
+                ))
             }
         }
         for (i, p) in self.pip.packages.iter().enumerate() {
@@ -770,6 +786,66 @@ impl Recipe {
     }
 }
 
+/// `[debian]`'s suite, variant and packages.
+fn check_debian(d: &DebianSpec, file: &Path) -> Result<(), RecipeError> {
+    static SUITE: LazyLock<Regex> = LazyLock::new(|| full(r"[a-z][a-z0-9-]*"));
+    static PACKAGE: LazyLock<Regex> =
+        LazyLock::new(|| full(r"[a-z0-9][a-z0-9+.-]*(:[a-z0-9]+)?(=[A-Za-z0-9.+:~-]+)?"));
+    const VARIANTS: [&str; 6] = [
+        "minbase",
+        "essential",
+        "apt",
+        "required",
+        "important",
+        "standard",
+    ];
+    let bad = |key: &str, message: String| RecipeError::new(file, key, message);
+    if !SUITE.is_match(&d.suite) {
+        return Err(bad(
+            "debian.suite",
+            format!(
+                "`debian.suite` must be a Debian code name such as \"bookworm\" (got {:?})",
+                d.suite
+            ),
+        ));
+    }
+    if !VARIANTS.contains(&d.variant.as_str()) {
+        return Err(bad(
+            "debian.variant",
+            format!(
+                "`debian.variant` {:?} is not one of {}",
+                d.variant,
+                VARIANTS.join(", ")
+            ),
+        ));
+    }
+    for (i, p) in d.packages.iter().enumerate() {
+        if !PACKAGE.is_match(p) {
+            return Err(bad(
+                &format!("debian.packages[{i}]"),
+                format!("`debian.packages[{i}]`: {p:?} is not a Debian package name"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// An `[image] ref`, checked, with the path of a local source made absolute (relative to the
+/// recipe's directory).
+fn image_reference(text: &str, dir: &Path) -> Result<String, String> {
+    let parsed = ember_oci::ImageRef::parse(text).map_err(|e| format!("`image.ref`: {e}"))?;
+    let abs = |p: &Path| {
+        let p = dir.join(p);
+        p.canonicalize().unwrap_or(p).to_string_lossy().into_owned()
+    };
+    Ok(match parsed {
+        ember_oci::ImageRef::Registry(_) => text.to_string(),
+        ember_oci::ImageRef::DockerArchive(p) => format!("docker-archive:{}", abs(&p)),
+        ember_oci::ImageRef::OciArchive(p) => format!("oci-archive:{}", abs(&p)),
+        ember_oci::ImageRef::OciLayout(p) => format!("oci:{}", abs(&p)),
+    })
+}
+
 /// `value` within `min..=max`, else the message.
 fn in_range(key: &str, value: u64, min: u64, max: u64) -> Result<(), String> {
     if (min..=max).contains(&value) {
@@ -874,30 +950,6 @@ fn serde_error(
     err
 }
 
-/// The root filesystem image of `template` (a name in `rootfs/templates/` or a recipe file),
-/// built if the cache lacks it. The recipe is checked here ([`Recipe::load`]: the schema is
-/// Rust's) and `rootfs/build.sh` builds from the normalised recipe it is handed
-/// (`--recipe-json`), never from the TOML.
-pub fn default_rootfs(template: &str) -> Result<PathBuf, images::ImageError> {
-    let script = images::source_root()?.join("rootfs/build.sh");
-    let file = recipe_path(template)?;
-    let recipe = Recipe::load(&file).map_err(|e| images::ImageError::Recipe(Box::new(e)))?;
-    let hand_off = |source| images::ImageError::RecipeHandOff {
-        path: std::env::temp_dir(),
-        source,
-    };
-    let mut json = tempfile::Builder::new()
-        .prefix("ember-recipe-")
-        .suffix(".json")
-        .tempfile()
-        .map_err(hand_off)?;
-    serde_json::to_writer(&mut json, &recipe.builder_json(&file))
-        .map_err(|e| hand_off(e.into()))?;
-    json.flush().map_err(hand_off)?;
-    let path = json.path().to_string_lossy().into_owned();
-    images::run_script(&script, &["--recipe-json", &path])
-}
-
 /// The recipe file for `template`: a path (it has a `/` or ends in `.toml`) or a name in the
 /// source tree's `rootfs/templates/`.
 pub fn recipe_path(template: &str) -> Result<PathBuf, images::ImageError> {
@@ -929,6 +981,48 @@ mod tests {
             .collect();
         files.sort();
         files
+    }
+
+    #[test]
+    fn an_image_recipe_replaces_debian() {
+        let r = parse("[image]\nref = \"oci:layout\"\nstart = true\n").unwrap();
+        let img = r.image.as_ref().unwrap();
+        assert_eq!(
+            img.reference, "oci:/recipes/layout",
+            "local paths are made absolute"
+        );
+        assert!(img.start && r.debian.is_none());
+        for (text, key, want) in [
+            (
+                "[image]\nref = \"x\"\n[debian]\nsuite = \"bookworm\"\n",
+                "image",
+                "not both",
+            ),
+            (
+                "[image]\nref = \"Bad Ref\"\n",
+                "image.ref",
+                "not a reference",
+            ),
+            (
+                "[image]\nref = \"x\"\n[pip]\npackages = [\"numpy\"]\n",
+                "pip.packages",
+                "install the packages in the image",
+            ),
+            (
+                "[image]\nref = \"x\"\n[checks]\npython = [\"import os\"]\n",
+                "checks.python",
+                "warmup.code",
+            ),
+            (
+                "[image]\nreff = \"x\"\n",
+                "image.reff",
+                "did you mean `ref`",
+            ),
+        ] {
+            let e = parse(text).unwrap_err();
+            assert_eq!(e.key, key, "{text}: {e}");
+            assert!(e.to_string().contains(want), "{text}: {e}");
+        }
     }
 
     #[test]
@@ -1084,7 +1178,7 @@ mod tests {
         let r = parse(MINIMAL).unwrap();
         assert_eq!(r.name(), "t");
         assert_eq!(r.outputs, "/workspace/outputs");
-        assert_eq!(r.debian.variant, "minbase");
+        assert_eq!(r.debian.as_ref().unwrap().variant, "minbase");
         assert_eq!(
             r.vm,
             VmSpec {
