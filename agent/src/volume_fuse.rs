@@ -158,6 +158,12 @@ struct Host {
 /// A request's failure: an errno for the FUSE reply.
 type Errno = i32;
 
+/// Why a hello failed: the link (retry), or the host's refusal (an errno).
+enum HelloError {
+    Link(String),
+    Refused(i32),
+}
+
 impl Host {
     fn connect(port: u32) -> io::Result<File> {
         // SAFETY: plain socket(2) call; the result is checked.
@@ -187,29 +193,44 @@ impl Host {
     }
 
     fn hello(&mut self) -> Result<VolumeState, String> {
-        let mut c = Self::connect(self.port).map_err(|e| format!("connect: {e}"))?;
+        self.try_hello().map_err(|e| match e {
+            HelloError::Link(m) => m,
+            HelloError::Refused(errno) => {
+                format!("{}", io::Error::from_raw_os_error(errno))
+            }
+        })
+    }
+
+    fn try_hello(&mut self) -> Result<VolumeState, HelloError> {
+        let mut c =
+            Self::connect(self.port).map_err(|e| HelloError::Link(format!("connect: {e}")))?;
         let req = Request::Hello {
             volume: self.volume.clone(),
         };
-        let (rep, _) = exchange(&mut c, &req, &[]).map_err(|e| format!("hello: {e}"))?;
+        let (rep, _) =
+            exchange(&mut c, &req, &[]).map_err(|e| HelloError::Link(format!("hello: {e}")))?;
         if rep.errno != 0 {
-            return Err(io::Error::from_raw_os_error(rep.errno).to_string());
+            return Err(HelloError::Refused(rep.errno));
         }
-        let st = serde_json::from_value(rep.body).map_err(|e| e.to_string())?;
+        let st = serde_json::from_value(rep.body)
+            .map_err(|e| HelloError::Link(format!("hello: {e}")))?;
         self.conn = Some(c);
         Ok(st)
     }
 
-    /// Sends `req`, reconnecting (forever, with a back-off) when the link breaks.
+    /// Sends `req`, reconnecting (with a back-off) when the link breaks — the host comes back
+    /// after a restore. A host that answers but refuses the volume (it was deleted) fails the
+    /// request with EIO instead.
     fn call(&mut self, req: &Request, data: &[u8]) -> Result<(serde_json::Value, Vec<u8>), Errno> {
         let mut delay = Duration::from_millis(5);
         loop {
             if self.conn.is_none() {
-                match self.hello() {
+                match self.try_hello() {
                     Ok(_) => {}
-                    Err(_) => {
+                    Err(HelloError::Refused(_)) => return Err(libc::EIO),
+                    Err(HelloError::Link(_)) => {
                         std::thread::sleep(delay);
-                        delay = (delay * 2).min(Duration::from_secs(1));
+                        delay = (delay * 2).min(Duration::from_millis(250));
                         continue;
                     }
                 }

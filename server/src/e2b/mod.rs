@@ -935,6 +935,7 @@ mod boundaries {
         ("route.rs", include_str!("route.rs")),
         ("rpc.rs", include_str!("rpc.rs")),
         ("secrets.rs", include_str!("secrets.rs")),
+        ("volumes.rs", include_str!("volumes.rs")),
         ("target.rs", include_str!("target.rs")),
         ("tls.rs", include_str!("tls.rs")),
     ];

@@ -437,6 +437,9 @@ mod tests {
             "/templates/x",
             "/secrets",
             "/secrets/openai",
+            "/volumes",
+            "/volumes/data",
+            "/volumecontent/data/file",
         ] {
             assert_eq!(
                 classify(None, &h, &uri(p)).unwrap(),
