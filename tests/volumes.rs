@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use ember_agent::protocol::{EventKind, ExecRequest};
 use ember_runtime::volumes::VolumeMount;
-use ember_runtime::{CreateRequest, ForkRequest, Runtime, RuntimeError};
+use ember_runtime::{CreateRequest, ForkRequest, Runtime, RuntimeError, SnapshotRequest};
 use ember_tests::*;
 
 fn prerequisites(test: &str) -> bool {
@@ -237,6 +237,32 @@ fn a_volume_outlives_its_writer_and_is_shared_by_readers_forks_and_restarts() {
     sh_ok(&rt, &kids[0].id, "echo from the fork > /data/fork.txt");
     assert_eq!(read_outside(&rt, "shared", "fork.txt"), b"from the fork\n");
     assert_eq!(sh_ok(&rt, &b.id, "cat /data/fork.txt"), "from the fork\n");
+    // A named snapshot carries its mounts: a sandbox created from it has the same volume.
+    rt.snapshot(
+        &b.id,
+        &SnapshotRequest {
+            name: Some("with-volume".into()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let from_snap = rt
+        .create(&CreateRequest {
+            snapshot: Some("with-volume".into()),
+            ..Default::default()
+        })
+        .unwrap();
+    sh_ok(
+        &rt,
+        &from_snap.id,
+        "echo from the snapshot > /data/snap.txt",
+    );
+    assert_eq!(
+        read_outside(&rt, "shared", "snap.txt"),
+        b"from the snapshot\n"
+    );
+    rt.kill(&from_snap.id).unwrap();
+    rt.delete_snapshot("with-volume").unwrap();
     // Pause and resume: the mount comes back.
     rt.pause(&b.id).unwrap();
     rt.resume(&b.id).unwrap();
@@ -252,7 +278,7 @@ fn a_volume_outlives_its_writer_and_is_shared_by_readers_forks_and_restarts() {
     assert_eq!(read_outside(&rt, "shared", "/a.txt"), b"hello from A\n");
     assert_eq!(
         rt.volume("shared").unwrap().used_bytes,
-        info.used_bytes + 14 + 13
+        info.used_bytes + 14 + 18 + 13
     );
     rt.delete_volume("shared", true).unwrap();
     assert!(matches!(rt.volume("shared"), Err(RuntimeError::Volume(_))));

@@ -189,9 +189,13 @@ impl Runtime {
         }
     }
 
-    /// After a create from a template or snapshot: mounts the volumes in the guest.
-    pub(crate) fn volumes_mount_in_guest(&self, id: &str) -> Result<(), RuntimeError> {
-        let mounts = self.inner.volumes.mounts_of(id);
+    /// After a create from a template or snapshot (or a boot from a disk): mounts `mounts`
+    /// (registered for `id`) in the guest.
+    pub(crate) fn volumes_mount_in_guest(
+        &self,
+        id: &str,
+        mounts: &[VolumeMount],
+    ) -> Result<(), RuntimeError> {
         if mounts.is_empty() {
             return Ok(());
         }
@@ -200,7 +204,7 @@ impl Runtime {
             "volume-mount".to_string(),
             ember_agent::volume_wire::VOLUME_PORT.to_string(),
         ];
-        for m in &mounts {
+        for m in mounts {
             argv.push(format!(
                 "{}:{}{}",
                 m.name,

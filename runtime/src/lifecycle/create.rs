@@ -27,6 +27,8 @@ struct Source {
     vcpus: u8,
     memory_mib: u64,
     disk_mib: u64,
+    /// Volumes the source's guest had mounted (a named snapshot's).
+    volumes: Vec<crate::volumes::VolumeMount>,
 }
 
 fn secs(d: Duration) -> i64 {
@@ -63,6 +65,7 @@ impl Runtime {
                     vcpus: meta.resources.vcpus,
                     memory_mib: meta.resources.memory_mib,
                     disk_mib: meta.resources.disk_mib,
+                    volumes: meta.volumes,
                 })
             }
             (t, None) => {
@@ -107,6 +110,7 @@ impl Runtime {
                     vcpus: t.info.vm.vcpus,
                     memory_mib: t.info.vm.memory_mib,
                     disk_mib: t.info.vm.disk_mib.unwrap_or(0),
+                    volumes: Vec::new(),
                 })
             }
         }
@@ -172,6 +176,7 @@ impl Runtime {
                 vcpus: p.resources.vcpus,
                 memory_mib: p.resources.memory_mib,
                 disk_mib: p.resources.disk_mib,
+                volumes: Vec::new(),
             },
             None => self.source(req)?,
         };
@@ -347,9 +352,10 @@ impl Runtime {
         }
         let restore_dir = fork.map(|(_, d)| d.to_path_buf()).unwrap_or(src.dir);
         // Volumes (volume_calls.rs): recorded before the VM starts, mounted once it answers.
-        if let Err(e) =
-            self.volumes_register(&id, &req.volume_mounts, fork.map(|(p, _)| p.id.as_str()))
-        {
+        // A named snapshot's own mounts come with it (the same volumes, not copies).
+        let mut mounts = src.volumes.clone();
+        mounts.extend(req.volume_mounts.iter().cloned());
+        if let Err(e) = self.volumes_register(&id, &mounts, fork.map(|(p, _)| p.id.as_str())) {
             lock(&self.inner.slots).remove(&id);
             let mut st = lock(&slot.st);
             self.transition(&slot, &mut st, State::Failed, Some(e.to_string()));
@@ -359,7 +365,9 @@ impl Runtime {
         let boot = fork.is_none() && crate::paths::is_fs_only(&restore_dir);
         self.start_vm(&slot, &restore_dir, "created", boot)?;
         if fork.is_none() {
-            if let Err(e) = self.volumes_mount_in_guest(&id) {
+            // A restored guest has its snapshot's mounts already; a booted one has none.
+            let new = if boot { &mounts } else { &req.volume_mounts };
+            if let Err(e) = self.volumes_mount_in_guest(&id, new) {
                 let _ = self.kill(&id);
                 return Err(e);
             }

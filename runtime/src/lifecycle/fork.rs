@@ -253,6 +253,7 @@ impl Runtime {
             env,
             outputs: row.outputs.clone(),
             resources: row.resources.clone(),
+            volumes: self.inner.volumes.mounts_of(&row.id),
         };
         let f = dest.join("ember-snapshot.json");
         std::fs::write(&f, serde_json::to_vec(&meta).unwrap_or_default())

@@ -144,4 +144,8 @@ struct SnapshotMeta {
     env: BTreeMap<String, String>,
     outputs: String,
     resources: Resources,
+    /// The volumes the sandbox mounted: a sandbox created from the snapshot mounts the same
+    /// ones (its guest's memory has them mounted; a booted one mounts them again).
+    #[serde(default)]
+    volumes: Vec<crate::volumes::VolumeMount>,
 }

@@ -316,7 +316,8 @@ impl Runtime {
         self.start_vm(&slot, &dir, what, reboot)?;
         if reboot {
             // A booted guest has none of the mounts its memory had.
-            if let Err(e) = self.volumes_mount_in_guest(id) {
+            let mounts = self.inner.volumes.mounts_of(id);
+            if let Err(e) = self.volumes_mount_in_guest(id, &mounts) {
                 tracing::warn!("sandbox {id}: its volumes are not mounted after the reboot: {e}");
             }
         }
