@@ -323,10 +323,15 @@ struct PauseMeta {
 /// The regular files of `dir` to upload, by name, without the host's disk list and `skip`.
 fn snapshot_files(dir: &Path, skip: Option<&str>) -> Result<Vec<(String, PathBuf)>, FleetError> {
     let mut names: Vec<String> = Vec::new();
+    // The disks' host paths are rewritten by the taker; a snapshot with a VM state names its
+    // disks there, one without (filesystem-only) only in the disks file, which then goes too.
+    let fs_only = ember_runtime::paths::is_fs_only(dir);
     for e in std::fs::read_dir(dir).map_err(io("cannot list", dir))? {
         let e = e.map_err(io("cannot list", dir))?;
         let n = e.file_name().to_string_lossy().into_owned();
-        if !e.path().is_file() || n == ember_runtime::jailed::DISKS_FILE || Some(n.as_str()) == skip
+        if !e.path().is_file()
+            || (n == ember_runtime::jailed::DISKS_FILE && !fs_only)
+            || Some(n.as_str()) == skip
         {
             continue;
         }

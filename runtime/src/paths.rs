@@ -87,10 +87,10 @@ pub fn random_id() -> String {
 
 /// The marker file of a filesystem-only snapshot directory, one without memory or VM state
 /// (`lifecycle/boot.rs`).
-pub(crate) const FS_ONLY: &str = "ember-fs-only.json";
+pub const FS_ONLY: &str = "ember-fs-only.json";
 
 /// Whether `dir` holds a filesystem-only snapshot (its sandboxes boot rather than restore).
-pub(crate) fn is_fs_only(dir: &Path) -> bool {
+pub fn is_fs_only(dir: &Path) -> bool {
     dir.join(FS_ONLY).is_file()
 }
 
