@@ -914,7 +914,9 @@ mod tests {
         let fx = fixture();
         let l = tar_of(&[file("z", "zstd")]);
         let blob = zstd::stream::encode_all(&l[..], 3).unwrap();
-        fx.unpacker().layer("1", &blob[..], Some(&Digest::of(&l))).unwrap();
+        fx.unpacker()
+            .layer("1", &blob[..], Some(&Digest::of(&l)))
+            .unwrap();
         assert_eq!(std::fs::read_to_string(fx.tree.join("z")).unwrap(), "zstd");
     }
 
