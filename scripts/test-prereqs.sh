@@ -60,6 +60,11 @@ if $packages; then
     else
         echo "test prerequisites: Debian packages present" >&2
     fi
+    # docker-registry's package enables a host-wide registry on :5000; tests/oci.rs runs its
+    # own in a namespace, so the service stays off.
+    if [ -d /run/systemd/system ] && systemctl is-enabled docker-registry >/dev/null 2>&1; then
+        systemctl disable --now docker-registry >&2 || failed+=("systemctl disable docker-registry")
+    fi
 fi
 
 # --- Pinned client libraries (they need python3-venv and npm from above); their EMBER_* lines

@@ -116,24 +116,47 @@ fn built_key(out: &Output) -> (String, bool) {
 }
 
 /// A directory outside every build with a canary file; `check` asserts nothing changed.
-struct Outside(tempfile::TempDir);
+struct Outside {
+    path: PathBuf,
+    /// Removed with the test (a fresh one).
+    _dir: Option<tempfile::TempDir>,
+}
 
 impl Outside {
+    /// A fresh one. Not under /tmp: the guest mounts a tmpfs there, which would hide what an
+    /// image carries at that path.
     fn new() -> Outside {
-        // Not under /tmp: the guest mounts a tmpfs there, which would hide what the image
-        // carries at that path.
         let d = tempfile::Builder::new()
             .prefix("ember-oci-outside-")
             .tempdir_in("/var/tmp")
             .expect("tempdir");
         std::fs::write(d.path().join("canary"), "unchanged").expect("canary");
-        Outside(d)
+        Outside {
+            path: d.path().to_path_buf(),
+            _dir: Some(d),
+        }
     }
+
+    /// One at a fixed path (images that name it are the same run after run, so their
+    /// templates stay cached), checked unchanged first.
+    fn fixed(path: &str) -> Outside {
+        let o = Outside {
+            path: PathBuf::from(path),
+            _dir: None,
+        };
+        if !o.path.join("canary").exists() {
+            std::fs::create_dir_all(&o.path).expect("mkdir");
+            std::fs::write(o.path.join("canary"), "unchanged").expect("canary");
+        }
+        o.check();
+        o
+    }
+
     fn path(&self) -> &str {
-        self.0.path().to_str().expect("utf-8")
+        self.path.to_str().expect("utf-8")
     }
     fn check(&self) {
-        let names: Vec<_> = std::fs::read_dir(self.0.path())
+        let names: Vec<_> = std::fs::read_dir(&self.path)
             .expect("read")
             .map(|e| e.expect("entry").file_name())
             .collect();
@@ -143,11 +166,11 @@ impl Outside {
             "something was written outside the build"
         );
         assert_eq!(
-            std::fs::read_to_string(self.0.path().join("canary")).expect("canary"),
+            std::fs::read_to_string(self.path.join("canary")).expect("canary"),
             "unchanged"
         );
         assert_eq!(
-            std::fs::metadata(self.0.path().join("canary"))
+            std::fs::metadata(self.path.join("canary"))
                 .map(|m| std::os::unix::fs::MetadataExt::nlink(&m))
                 .unwrap_or(0),
             1
@@ -456,7 +479,7 @@ fn busybox_layout(work: &Path, outside: &Outside, hostile: Option<&str>) -> Path
     let mut args: Vec<String> = vec![
         "layout".into(),
         layout.display().to_string(),
-        "--layer-dir".into(),
+        "--layer-dir-fixed".into(),
         tree.display().to_string(),
     ];
     if let Some(kind) = hostile {
@@ -492,7 +515,7 @@ fn busybox_image_without_python_execs_and_files_and_refuses_run_code_at_build() 
         .prefix("ember-oci-test-")
         .tempdir()
         .expect("tempdir");
-    let outside = Outside::new();
+    let outside = Outside::fixed("/var/tmp/ember-oci-outside-busybox");
     // The busybox image carries what is neutralised rather than refused: a setuid file,
     // device nodes and a FIFO, a symlink to the host directory with a write through it.
     let layout = busybox_layout(work.path(), &outside, Some("neutralised"));

@@ -10,6 +10,9 @@
 //! `~/.config/containers/auth.json`, `$DOCKER_CONFIG/config.json`, `~/.docker/config.json`
 //! (`auths.<host>.auth` = base64 of `user:password`; credential helpers are not run).
 //!
+//! The host's proxy variables are used for HTTPS registries; a redirect (blobs served from a CDN
+//! or an object store) keeps the registry's token only on the same host.
+//!
 //! HTTPS always, except for loopback registries (`localhost`, `127.0.0.0/8`, `[::1]`) and the
 //! hosts listed in `$EMBER_INSECURE_REGISTRIES` (comma-separated `host[:port]`).
 
@@ -145,16 +148,19 @@ struct Client {
 
 impl Client {
     fn new(r: &RegistryRef) -> Client {
-        let scheme = if insecure(&r.registry) {
-            "http"
-        } else {
-            "https"
-        };
+        let plain = insecure(&r.registry);
+        let scheme = if plain { "http" } else { "https" };
         Client {
             agent: ureq::AgentBuilder::new()
                 .timeout_connect(Duration::from_secs(30))
                 .timeout_read(Duration::from_secs(300))
                 .redirects(5)
+                // Blob downloads are often redirected to a CDN or an object store: the
+                // registry's token goes to the registry's host only.
+                .redirect_auth_headers(ureq::RedirectAuthHeaders::SameHost)
+                // The host's proxy settings (HTTPS_PROXY, ...) for real registries; loopback
+                // and listed plain-HTTP registries are reached directly.
+                .try_proxy_from_env(!plain)
                 .build(),
             registry: r.registry.clone(),
             base: format!("{scheme}://{}", r.registry),

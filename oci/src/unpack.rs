@@ -910,6 +910,17 @@ mod tests {
     }
 
     #[test]
+    fn zstd_layers_are_read() {
+        let fx = fixture();
+        let l = tar_of(&[file("z", "zstd")]);
+        let blob = zstd::stream::encode_all(&l[..], 3).unwrap();
+        fx.unpacker()
+            .layer("1", &blob[..], Some(&Digest::of(&l)))
+            .unwrap();
+        assert_eq!(std::fs::read_to_string(fx.tree.join("z")).unwrap(), "zstd");
+    }
+
+    #[test]
     fn climbing_and_absolute_names_are_refused() {
         let fx = fixture();
         for name in [

@@ -112,6 +112,14 @@ pub fn image_tree(
     let _lock = flock(&locks.join(format!("base-{key}.lock")))?;
     if final_dir.join("recipe.json").is_file() {
         progress(format!("image tree cached: {}", final_dir.display()));
+        // What the unpack neutralised, again: a build log always says it.
+        let meta: serde_json::Value = std::fs::read(final_dir.join("recipe.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        for n in meta["notes"].as_array().into_iter().flatten() {
+            progress(format!("note: {}", n.as_str().unwrap_or_default()));
+        }
     } else {
         let work = cache
             .join("tmp")
@@ -131,10 +139,9 @@ pub fn image_tree(
                 &limits,
                 progress,
             )?;
-            for n in report.notes() {
-                progress(format!("note: {n}"));
-            }
-            for n in ember_oci::inspect::prepare(&new_tree, &files)? {
+            let mut notes = report.notes();
+            notes.extend(ember_oci::inspect::prepare(&new_tree, &files)?);
+            for n in &notes {
                 progress(format!("note: {n}"));
             }
             progress(format!(
@@ -149,6 +156,7 @@ pub fn image_tree(
                 "image": {"ref": image.reference, "config_digest": image.config_digest, "manifest_digest": image.manifest_digest},
                 "unpacker": ember_oci::UNPACKER_VERSION,
                 "report": report,
+                "notes": notes,
                 "files": recipe.files.iter().map(|f| f.path.clone()).collect::<Vec<_>>(),
                 "build_seconds": (t0.elapsed().as_secs_f64() * 10.0).round() / 10.0,
             });
