@@ -249,3 +249,27 @@ fn entry(path: &str, a: ember_agent::volume_wire::Attr) -> VolumeEntry {
         modified_at: rfc3339(a.mtime_ns / 1_000_000),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_name_their_path_from_the_root() {
+        let a = ember_agent::volume_wire::Attr {
+            dir: true,
+            size: 0,
+            mode: 0o755,
+            mtime_ns: 1_500_000_000,
+        };
+        let e = entry("a/b", a);
+        assert_eq!(e.path, "/a/b");
+        assert_eq!(e.name, "b");
+        assert_eq!(e.kind, "dir");
+        assert!(
+            e.modified_at.starts_with("1970-01-01T00:00:01.5"),
+            "{}",
+            e.modified_at
+        );
+    }
+}

@@ -309,3 +309,19 @@ pub async fn rename_volume_path(
     .await?;
     Ok(Json(OkBody::YES))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queries_default_to_the_root_and_refuse_unknown_fields() {
+        let q: VolPathQuery = serde_json::from_str("{}").unwrap();
+        assert_eq!(q.path, "/");
+        assert!(serde_json::from_str::<VolPathQuery>(r#"{"path":"/","x":1}"#).is_err());
+        let b: VolumeCreateBody = serde_json::from_str(r#"{"name":"v"}"#).unwrap();
+        assert_eq!(b.cap_bytes, None);
+        let f: ForceQuery = serde_json::from_str("{}").unwrap();
+        assert!(!f.force);
+    }
+}

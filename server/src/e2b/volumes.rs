@@ -332,3 +332,27 @@ pub async fn make_dir(
     let s = stat(&st, id, q.path).await?;
     Ok((StatusCode::CREATED, Json(s)).into_response())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_have_the_sdks_shape() {
+        let e = VolumeEntry {
+            path: "/d".into(),
+            name: "d".into(),
+            kind: "dir".into(),
+            size: 0,
+            mode: 0o755,
+            modified_at: "2026-01-01T00:00:00.000Z".into(),
+        };
+        let v = entry_json(&e);
+        for k in [
+            "name", "type", "path", "size", "mode", "uid", "gid", "atime", "mtime", "ctime",
+        ] {
+            assert!(v.get(k).is_some(), "{k} missing: {v}");
+        }
+        assert_eq!(v["type"], "directory");
+    }
+}
