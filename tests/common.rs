@@ -49,6 +49,27 @@ pub fn ember(args: &[&str]) -> Output {
 
 /// `ember vm boot --json` with the test images and extra `args`; returns the parsed JSON
 /// result and the console (stderr).
+/// Runs the `ember` CLI as a client of the server at `url` (with its `token`), `stdin` fed
+/// to it; its output.
+pub fn ember_client(url: &str, token: &str, args: &[&str], stdin: &[u8]) -> Output {
+    use std::io::Write;
+    let mut c = Command::new(bin("ember"))
+        .args(args)
+        .env("EMBER_URL", url)
+        .env("EMBER_TOKEN", token)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run ember");
+    c.stdin
+        .take()
+        .expect("stdin")
+        .write_all(stdin)
+        .expect("write stdin");
+    c.wait_with_output().expect("wait for ember")
+}
+
 pub fn boot_json(args: &[&str]) -> (serde_json::Value, String, Output) {
     let k = kernel();
     let r = rootfs();

@@ -834,18 +834,7 @@ fn the_e2b_sdk_creates_a_sandbox_with_rules_and_a_secret() {
         .unwrap();
     assert_eq!(rotated["version"], 2, "{rotated}");
     let cli = |args: &[&str], stdin: &str| {
-        use std::io::Write;
-        let mut c = Command::new(bin("ember"))
-            .args(args)
-            .env("EMBER_URL", &srv.url)
-            .env("EMBER_TOKEN", &token)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("ember");
-        c.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
-        let o = c.wait_with_output().unwrap();
+        let o = ember_tests::ember_client(&srv.url, &token, args, stdin.as_bytes());
         assert!(
             o.status.success(),
             "ember {args:?}: {}",

@@ -478,21 +478,7 @@ fn the_http_surfaces_cli_and_e2b_sdk_reach_volumes() {
         .unwrap();
     let srv = Serve::start(home.path(), false);
     let token = srv.token();
-    let cli = |args: &[&str], stdin: &[u8]| {
-        use std::io::Write;
-        use std::process::Stdio;
-        let mut c = std::process::Command::new(bin("ember"))
-            .args(args)
-            .env("EMBER_URL", &srv.url)
-            .env("EMBER_TOKEN", &token)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("ember");
-        c.stdin.take().unwrap().write_all(stdin).unwrap();
-        c.wait_with_output().unwrap()
-    };
+    let cli = |args: &[&str], stdin: &[u8]| ember_client(&srv.url, &token, args, stdin);
     let ok = |o: std::process::Output| {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         String::from_utf8_lossy(&o.stdout).into_owned()

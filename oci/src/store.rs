@@ -48,50 +48,17 @@ impl BlobStore {
         reader: &mut dyn Read,
         max: u64,
     ) -> Result<u64, OciError> {
-        let final_path = self.path(expected);
-        let dir = final_path.parent().expect("blob paths have a parent");
-        std::fs::create_dir_all(dir).map_err(io_err("cannot create", dir))?;
-        let tmp = dir.join(format!(".tmp-{}-{}", expected.hex(), std::process::id()));
-        let result = (|| {
-            let mut f = File::create(&tmp).map_err(io_err("cannot create", &tmp))?;
-            let mut h = Sha256::new();
-            let mut buf = vec![0u8; 1 << 20];
-            let mut n_total = 0u64;
-            loop {
-                let n = reader
-                    .read(&mut buf)
-                    .map_err(io_err("cannot read", what.to_string()))?;
-                if n == 0 {
-                    break;
-                }
-                n_total += n as u64;
-                if n_total > max {
-                    return Err(OciError::TooLarge {
-                        layer: what.into(),
-                        message: format!("more than {max} bytes (the cap for one blob)"),
-                    });
-                }
-                h.update(&buf[..n]);
-                f.write_all(&buf[..n])
-                    .map_err(io_err("cannot write", &tmp))?;
-            }
-            let actual = Digest::from_hasher(h);
-            if &actual != expected {
-                return Err(OciError::DigestMismatch {
-                    what: what.into(),
-                    expected: expected.to_string(),
-                    actual: actual.to_string(),
-                });
-            }
-            f.sync_all().map_err(io_err("cannot sync", &tmp))?;
-            std::fs::rename(&tmp, &final_path)
-                .map_err(io_err("cannot rename into place", &final_path))?;
-            Ok(n_total)
-        })();
-        if result.is_err() {
-            let _ = std::fs::remove_file(&tmp);
+        let (mut tmp, actual, n) = self.take_in(what, reader, max)?;
+        if &actual != expected {
+            return Err(OciError::DigestMismatch {
+                what: what.into(),
+                expected: expected.to_string(),
+                actual: actual.to_string(),
+            });
         }
-        result
+        tmp.1.sync_all().map_err(io_err("cannot sync", &tmp.0))?;
+        self.publish(&mut tmp, &actual)?;
+        Ok(n)
     }
 
     /// Copies `reader` into the store under the digest of what it holds (at most `max` bytes).
@@ -101,6 +68,19 @@ impl BlobStore {
         reader: &mut dyn Read,
         max: u64,
     ) -> Result<Digest, OciError> {
+        let (mut tmp, d, _) = self.take_in(what, reader, max)?;
+        self.publish(&mut tmp, &d)?;
+        Ok(d)
+    }
+
+    /// Copies `reader` (at most `max` bytes) into a temporary file of the store through a
+    /// hasher: the file, the digest of its content and its size.
+    fn take_in(
+        &self,
+        what: &str,
+        reader: &mut dyn Read,
+        max: u64,
+    ) -> Result<(TempFile, Digest, u64), OciError> {
         let dir = self.dir.join("blobs/sha256");
         std::fs::create_dir_all(&dir).map_err(io_err("cannot create", &dir))?;
         let mut tmp = tempfile_in(&dir)?;
@@ -126,12 +106,16 @@ impl BlobStore {
                 .write_all(&buf[..n])
                 .map_err(io_err("cannot write", &tmp.0))?;
         }
-        let d = Digest::from_hasher(h);
-        let final_path = self.path(&d);
+        Ok((tmp, Digest::from_hasher(h), n_total))
+    }
+
+    /// Renames the temporary file into place as blob `d` (it is then kept).
+    fn publish(&self, tmp: &mut TempFile, d: &Digest) -> Result<(), OciError> {
+        let final_path = self.path(d);
         std::fs::rename(&tmp.0, &final_path)
             .map_err(io_err("cannot rename into place", &final_path))?;
         tmp.0 = PathBuf::new();
-        Ok(d)
+        Ok(())
     }
 
     /// Copies the file at `src` in as blob `expected` (verified), unless it is there already.

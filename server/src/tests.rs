@@ -169,9 +169,15 @@ impl Fake {
     pub(crate) fn snapshot(
         &self,
         id: &str,
-        _r: &SnapshotRequest,
+        r: &SnapshotRequest,
     ) -> Result<SnapshotInfo, RuntimeError> {
         known(id)?;
+        // Tells the callers' tests which kind of snapshot reached the runtime.
+        if r.memory == Some(false) {
+            return Err(RuntimeError::Invalid(
+                "fake: a filesystem-only snapshot".into(),
+            ));
+        }
         Err(RuntimeError::Capacity("full".into()))
     }
     pub(crate) fn snapshots(&self) -> Result<Vec<SnapshotInfo>, RuntimeError> {

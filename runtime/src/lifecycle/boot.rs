@@ -196,15 +196,11 @@ impl Runtime {
             snapshot: dir,
             disks: &disks,
             limits: self.limits(&row.resources),
-            net: net.clone(),
+            net,
             kept: None,
             boot: Some((&vm, BOOT_TIMEOUT.max(cfg.connect_timeout))),
         };
-        let live = jailed::start(cfg, &self.inner.bins, &spec).inspect_err(|_| {
-            if let Some(n) = &net {
-                self.inner.net.teardown(n);
-            }
-        })?;
+        let live = self.start_jailed(&spec)?;
         let warmed = live.sandbox.with_client("warmup", |c| {
             Ok(crate::template::build::warm_up(
                 c,

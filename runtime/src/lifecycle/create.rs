@@ -513,6 +513,15 @@ impl Runtime {
         Err(e)
     }
 
+    /// [`jailed::start`]; the VM's network namespace is torn down when that fails.
+    pub(super) fn start_jailed(&self, spec: &StartSpec<'_>) -> Result<Live, RuntimeError> {
+        jailed::start(&self.inner.cfg, &self.inner.bins, spec).inspect_err(|_| {
+            if let Some(n) = &spec.net {
+                self.inner.net.teardown(n);
+            }
+        })
+    }
+
     /// A fresh jailed VMM for the slot: uid, namespace, jail, spawn (the path without a pool).
     fn start_fresh(
         &self,
@@ -534,15 +543,11 @@ impl Runtime {
                     snapshot: dir,
                     disks: &disks,
                     limits: self.limits(&row.resources),
-                    net: net.clone(),
+                    net,
                     kept,
                     boot: None,
                 };
-                jailed::start(&self.inner.cfg, &self.inner.bins, &spec).inspect_err(|_| {
-                    if let Some(n) = &net {
-                        self.inner.net.teardown(n);
-                    }
-                })
+                self.start_jailed(&spec)
             })
             .map(|live| (uid, live))
             .map_err(|e| (e, Some(uid)))

@@ -568,10 +568,17 @@ mod tests {
         let (s, v) = send_json(&app, control("POST", &uri, r#"{"count":1}"#)).await;
         assert_eq!(s, StatusCode::CREATED);
         assert_eq!(v[0]["sandbox"]["sandboxID"], KNOWN);
-        // A filesystem-only snapshot is refused clearly.
+        // A filesystem-only snapshot reaches the runtime as one (the fake refuses it by name).
         let uri = format!("/sandboxes/{KNOWN}/snapshots");
         let (s, v) = send_json(&app, control("POST", &uri, r#"{"memory":false}"#)).await;
         assert_e2b_error(s, &v, StatusCode::BAD_REQUEST);
+        assert!(
+            v["message"]
+                .as_str()
+                .unwrap()
+                .contains("fake: a filesystem-only snapshot"),
+            "{v}"
+        );
         // The fake's snapshot is at capacity: 429.
         let (s, v) = send_json(&app, control("POST", &uri, r#"{}"#)).await;
         assert_e2b_error(s, &v, StatusCode::TOO_MANY_REQUESTS);
