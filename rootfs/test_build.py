@@ -13,6 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import build  # noqa: E402
+import debian_tree  # noqa: E402
 
 
 def write(dir_: Path, name: str, text: str) -> Path:
@@ -234,7 +235,7 @@ class TreeTests(unittest.TestCase):
             write(tree, "etc/group", "root:x:0:\nusers:x:100:\n")
             write(tree, "etc/shadow", "root:*:19000:0:99999:7:::\n")
             write(tree, "etc/skel/.bashrc", "# bashrc\n")
-            build.add_user(tree)
+            debian_tree.add_user(tree)
             self.assertIn("user:x:1000:1000::/home/user:/bin/bash\n", (tree / "etc/passwd").read_text())
             self.assertTrue((tree / "etc/group").read_text().endswith("user:x:1000:\n"))
             self.assertIn("\nuser:!:::::::\n", (tree / "etc/shadow").read_text())
@@ -245,7 +246,7 @@ class TreeTests(unittest.TestCase):
             for d in ("workspace", "workspace/outputs"):
                 self.assertEqual((tree / d).stat().st_mode & 0o7777, 0o777)
             with self.assertRaises(build.BuildError):
-                build.add_user(tree)  # twice: uid 1000 is taken
+                debian_tree.add_user(tree)  # twice: uid 1000 is taken
 
 
 class ImageTreeTests(unittest.TestCase):
@@ -289,13 +290,13 @@ class HostSourcesTests(unittest.TestCase):
                   "deb [arch=amd64] http://archive.invalid/security bookworm-security main\n"
                   "deb http://other.invalid/y stable main\n# deb http://x bookworm main\n")
             write(apt, "sources.list.d/old.list.disabled", "deb http://x bookworm main\n")
-            deb822, one_line = build.host_sources("bookworm", apt)
+            deb822, one_line = debian_tree.host_sources("bookworm", apt)
             self.assertIn("Types: deb\n", deb822)
             self.assertIn("Suites: bookworm bookworm-updates\n", deb822)
             self.assertNotIn("nodistro", deb822)
             self.assertEqual(one_line, ["deb [arch=amd64] http://archive.invalid/security bookworm-security main"])
             with self.assertRaises(build.BuildError) as ctx:
-                build.host_sources("sid", apt)
+                debian_tree.host_sources("sid", apt)
             self.assertIn("no 'deb' entry for suite 'sid'", str(ctx.exception))
 
 

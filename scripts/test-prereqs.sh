@@ -10,7 +10,8 @@
 #     nft and unshare (tests/network.rs, tests/browser.rs, tests/cli_errors.rs), gcc
 #     (tests/guest_cpu_state.rs), systemd (systemd-analyze verify, for tests/deploy.rs),
 #     docker-registry (tests/oci.rs's local registry, in a namespace of its own) and
-#     busybox-static (tests/oci.rs's image without Python);
+#     busybox-static (tests/oci.rs's image without Python), a JDK (the agent's Java context test
+#     runs the guest's jshell driver on the host);
 #     Node.js and npm when there is no `node` (the E2B JS SDK wants Node >= 20.18.1 and
 #     Debian 12's nodejs is 18, so an existing newer `node` is kept and apt's is only the
 #     fallback);
@@ -45,7 +46,7 @@ lines=()
 if $packages; then
     pkgs=(python3 python3-venv python3-ipython python3-matplotlib python3-matplotlib-inline
           python3-pandas python3-openpyxl chromium iproute2 nftables util-linux gcc
-          postgresql systemd docker-registry busybox-static)
+          postgresql systemd docker-registry busybox-static openjdk-17-jdk-headless)
     missing=()
     for p in "${pkgs[@]}"; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -416,7 +416,9 @@ fn playwright_and_puppeteer_drive_isolated_browser_sandboxes() {
         let v: serde_json::Value = api("POST", "/v1/sandboxes")
             .send_json(serde_json::json!({
                 "template": template,
-                "timeout_secs": 1800,
+                // The test took 14 min on a quiet kvm_pvm host here, and CI's ran slower: the
+                // sandboxes outlive any run of it.
+                "timeout_secs": 3600,
                 "network": {"mode": "egress", "allow_domains": ["allowed.test"]},
             }))
             .unwrap_or_else(|e| match e {

@@ -577,6 +577,8 @@ pub struct Serve {
     pub url: String,
     /// The TLS listener's port, when it has one.
     pub tls_port: Option<u16>,
+    /// Extra `ember serve` arguments (kept for a restart).
+    pub args: Vec<String>,
 }
 
 /// A port free on loopback now.
@@ -590,19 +592,31 @@ pub fn free_port() -> u16 {
 impl Serve {
     /// Starts it on a free port (and a free TLS port when `tls`) and waits until it answers.
     pub fn start(home: &std::path::Path, tls: bool) -> Serve {
+        Serve::start_with(home, tls, &[])
+    }
+
+    /// [`Serve::start`] with extra `ember serve` arguments (`--e2b-alias ...`).
+    pub fn start_with(home: &std::path::Path, tls: bool, args: &[&str]) -> Serve {
         let port = free_port();
         let tls_port = tls.then(free_port);
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let mut s = Serve {
-            child: Serve::spawn(home, port, tls_port),
+            child: Serve::spawn(home, port, tls_port, &args),
             home: home.to_path_buf(),
             url: format!("http://127.0.0.1:{port}"),
             tls_port,
+            args,
         };
         s.wait_ready();
         s
     }
 
-    fn spawn(home: &std::path::Path, port: u16, tls_port: Option<u16>) -> std::process::Child {
+    fn spawn(
+        home: &std::path::Path,
+        port: u16,
+        tls_port: Option<u16>,
+        args: &[String],
+    ) -> std::process::Child {
         use std::process::Stdio;
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -615,6 +629,7 @@ impl Serve {
             cmd.args(["--tls-listen", &format!("127.0.0.1:{t}")])
                 .args(["--domain", &format!("e2b.localhost:{t}")]);
         }
+        cmd.args(args);
         cmd.env("EMBER_HOME", home)
             .env("EMBER_VMM", bin("ember-vmm"))
             .env("EMBER_JAILER", bin("ember-jailer"))
@@ -665,7 +680,7 @@ impl Serve {
             .next()
             .and_then(|p| p.parse().ok())
             .expect("the server's port");
-        self.child = Serve::spawn(&self.home, port, self.tls_port);
+        self.child = Serve::spawn(&self.home, port, self.tls_port, &self.args);
         self.wait_ready();
     }
 

@@ -52,6 +52,12 @@
 //! `files.exists`, `files.makeDir`, `files.list`, `pause()`, `Sandbox.connect(id)` (resume),
 //! `Sandbox.list({query: {metadata}}).nextItems()`, `fork({count: 2})`, `createSnapshot()`,
 //! `kill()`, `isRunning()`, `Sandbox.kill(unknown id)`.
+//!
+//! Template builds, Python (`tests/e2b/test_template.py`): `Template(file_context_path=)`
+//! `.from_template("base").set_envs().copy(dir).set_workdir().run_cmd().set_user()`,
+//! `Template().from_dockerfile(text)`, `Template.build(t, name, on_build_logs=)` (uploads by
+//! hash, the build trigger, polled status with logs), `Template.exists`, `Template.get_tags`,
+//! then `Sandbox.create(name)` with `commands.run` and `run_code`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -292,11 +298,20 @@ fn e2b_sdks_work_unchanged_against_ember_serve() {
         );
     }
     template("python-data");
+    // The filesystem-snapshot check reboots a sandbox of `base` (= `default`).
+    template("default");
     let home = tempfile::Builder::new()
         .prefix("ember-e2b-test-")
         .tempdir()
         .expect("temp home");
-    let srv = Serve::start(home.path(), true);
+    // The SDKs' default template on python-data (the code-interpreter template, the server's
+    // default for it, is tested by tests/languages.rs: its languages are not what is tested
+    // here, and its larger memory would slow the pause, fork and snapshot checks).
+    let srv = Serve::start_with(
+        home.path(),
+        true,
+        &["--e2b-alias", "code-interpreter-v1=python-data"],
+    );
     let token = srv.token();
 
     // The CA bundle for SSL_CERT_FILE, from the same files the server's TLS listener uses.
@@ -341,7 +356,7 @@ fn e2b_sdks_work_unchanged_against_ember_serve() {
             "python, header route",
             cmd,
             &header_env,
-            Duration::from_secs(900),
+            Duration::from_secs(1800),
         ));
         let mut cmd = Command::new(python);
         cmd.arg(&script).args(["--only", TLS_CHECKS]);
@@ -349,7 +364,7 @@ fn e2b_sdks_work_unchanged_against_ember_serve() {
             "python, TLS/Host route",
             cmd,
             &tls_env,
-            Duration::from_secs(900),
+            Duration::from_secs(1800),
         ));
     }
     if let Ok(nm) = &sdks.node_modules {
@@ -368,7 +383,7 @@ fn e2b_sdks_work_unchanged_against_ember_serve() {
             "node, header route",
             cmd,
             &header_env,
-            Duration::from_secs(600),
+            Duration::from_secs(1200),
         ));
     }
 
@@ -429,7 +444,7 @@ fn e2b_process_tag_attach_and_watcher_survive_a_server_restart() {
     let script = e2b_dir().join("test_restart.py");
     let mut cmd = Command::new(&python);
     cmd.arg(&script).arg("start");
-    let run = run_script("restart: start", cmd, &env, Duration::from_secs(180));
+    let run = run_script("restart: start", cmd, &env, Duration::from_secs(600));
     assert!(run.ok, "{}\n{}", run.output, srv.log_tail(100));
     let line = run
         .output
@@ -448,7 +463,85 @@ fn e2b_process_tag_attach_and_watcher_survive_a_server_restart() {
 
     let mut cmd = Command::new(&python);
     cmd.arg(&script).args(["after", &id, &pid, &watcher]);
-    let run = run_script("restart: after", cmd, &env, Duration::from_secs(180));
+    let run = run_script("restart: after", cmd, &env, Duration::from_secs(600));
     assert!(run.ok, "{}\n{}", run.output, srv.log_tail(100));
     assert!(run.output.contains("ok re-attached"), "{}", run.output);
+}
+
+/// E2B's template build API (`POST /v3/templates`, file uploads by hash, the build trigger,
+/// polled status with logs, aliases, tags) through the unchanged Python SDK
+/// (`tests/e2b/test_template.py`): a `Template()` builder and a `from_dockerfile`, both from
+/// E2B's `base` (ember's `default`), each then used by `Sandbox.create(name)` to run code and
+/// commands that see what the steps did. The steps run in build VMs and are cached by their
+/// inputs, so a second run finds both templates built.
+#[test]
+fn e2b_template_build_api_makes_templates_sandboxes_use_at_once() {
+    let test = "e2b_template_build_api_makes_templates_sandboxes_use_at_once";
+    let sdks = find_sdks();
+    let python = match &sdks.python {
+        Ok(p) => p.clone(),
+        Err(why) => {
+            ember_tests::skip(
+                test,
+                &format!("{why}; run `bash scripts/e2b-sdks.sh` (it prints EMBER_E2B_VENV)"),
+            );
+            return;
+        }
+    };
+    if !ember_tests::is_root() {
+        ember_tests::skip(test, "needs root (KVM, the template cache)");
+        return;
+    }
+    let t0 = Instant::now();
+    template("default");
+    let home = tempfile::Builder::new()
+        .prefix("ember-e2b-template-")
+        .tempdir()
+        .expect("temp home");
+    let srv = Serve::start(home.path(), false);
+    let out = Command::new(&python)
+        .arg(e2b_dir().join("test_template.py"))
+        .env("E2B_API_KEY", srv.token())
+        .env("E2B_API_URL", &srv.url)
+        .env("E2B_SANDBOX_URL", &srv.url)
+        .env_remove("E2B_DOMAIN")
+        .env_remove("E2B_DEBUG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run test_template.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "the SDK script failed:\n{stdout}\n{stderr}\nserver log:\n{}",
+        srv.log_tail(80)
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"));
+    eprintln!("{v:#}");
+    let sdk = &v["e2b-sdk-tpl"];
+    assert_eq!(
+        sdk["stdout"],
+        "hello from the context\nbuilt-by-run\nbuilt.txt\nhello.txt\nfrom-sdk\nuser\n",
+        "the Template() builder's steps, as its sandbox sees them (skip.log is .dockerignored): {v}"
+    );
+    assert_eq!(sdk["code"], "from-sdk built-by-run", "{v}");
+    assert!(sdk["error"].is_null(), "{v}");
+    let df = &v["e2b-df-tpl"];
+    assert_eq!(
+        df["stdout"], "hello from the context\nfrom-run\nfrom-dockerfile\n",
+        "{v}"
+    );
+    assert_eq!(df["code"], "42", "{v}");
+    assert_eq!(v["exists"], serde_json::json!([true, false]), "{v}");
+    assert_eq!(v["tags"], serde_json::json!(["v1"]), "{v}");
+    eprintln!(
+        "{test}: builder build {}s, Dockerfile build {}s, create -> first result {} ms / {} ms; \
+         {:.1}s in all",
+        v["builder_seconds"],
+        v["dockerfile_seconds"],
+        sdk["create_to_result_ms"],
+        df["create_to_result_ms"],
+        t0.elapsed().as_secs_f64()
+    );
 }

@@ -3,7 +3,9 @@
 //! `tests/oci/mkimage.py`), served by Debian's `docker-registry` in a network namespace this
 //! test creates (nothing leaves the machine), built with `ember template build --from-image`
 //! and used through sandboxes. Hostile layers are refused or neutralised with the host
-//! directory outside the build untouched.
+//! directory outside the build untouched. A Dockerfile FROM the Debian image runs its steps
+//! in a build VM (pip install from a package index in a network namespace this test creates,
+//! COPY with .dockerignore, ENV, WORKDIR, USER), and an edit of its last step reruns only it.
 //!
 //! Needs root (namespaces, KVM, the cache), `docker-registry`, `busybox` (busybox-static), `ip`
 //! and `tar` (scripts/test-prereqs.sh installs them).
@@ -264,6 +266,37 @@ fn default_tree() -> PathBuf {
         .join("tree")
 }
 
+/// The Debian test image as an OCI layout in `work`. Layer 1: the default template's Debian
+/// tree (Python + IPython), uncompressed; layer 2 (gzip): the app directory and a file, with
+/// fixed mtimes, so that a run with the same cached tree makes the same image and finds what
+/// was built from it (its unpacked tree, its templates) in the cache. The Dockerfile test
+/// starts from the same image, so the two share its unpacked tree.
+fn debian_layout(work: &Path) -> PathBuf {
+    let tree = default_tree();
+    let app = work.join("app");
+    std::fs::create_dir_all(app.join("srv/app")).expect("mkdir");
+    std::fs::write(app.join("srv/app/hello.txt"), "hello from the image\n").expect("write");
+    let layout = work.join("layout");
+    mkimage(&[
+        "layout",
+        layout.to_str().expect("utf-8"),
+        "--layer-dir",
+        tree.to_str().expect("utf-8"),
+        "--layer-dir-fixed",
+        app.to_str().expect("utf-8"),
+        "--gzip-last",
+        "--env",
+        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "--env",
+        "EMBER_OCI_TEST=from-image",
+        "--workdir",
+        "/srv/app",
+        "--cmd",
+        "/bin/sh",
+    ]);
+    layout
+}
+
 /// A registry (Debian's docker-registry) on 127.0.0.1:5000 in a network namespace of its own.
 struct Registry {
     ns: String,
@@ -372,36 +405,8 @@ fn registry_image_becomes_a_template_that_runs_code_and_exec_and_archives_share_
         .prefix("ember-oci-test-")
         .tempdir()
         .expect("tempdir");
-    // Layer 1: the default template's Debian tree (Python + IPython), uncompressed; layer 2
-    // (gzip): the app directory and a file, with fixed mtimes, so that a run with the same
-    // cached tree makes the same image and finds its template built.
-    let tree = default_tree();
-    let app = work.path().join("app");
-    std::fs::create_dir_all(app.join("srv/app")).expect("mkdir");
-    std::fs::write(app.join("srv/app/hello.txt"), "hello from the image\n").expect("write");
-    let layout = work.path().join("layout");
-    mkimage(&[
-        "layout",
-        layout.to_str().expect("utf-8"),
-        "--layer-dir",
-        tree.to_str().expect("utf-8"),
-        "--layer-dir-fixed",
-        app.to_str().expect("utf-8"),
-        "--gzip-last",
-        "--env",
-        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        "--env",
-        "EMBER_OCI_TEST=from-image",
-        "--workdir",
-        "/srv/app",
-        "--cmd",
-        "/bin/sh",
-    ]);
-    eprintln!(
-        "image made from {} in {:.1}s",
-        tree.display(),
-        t0.elapsed().as_secs_f64()
-    );
+    let layout = debian_layout(work.path());
+    eprintln!("image made in {:.1}s", t0.elapsed().as_secs_f64());
     let registry = Registry::start();
     let digest = registry.push(&layout, "ember/debian", "v1");
     eprintln!(
@@ -667,6 +672,234 @@ fn hostile_layers_are_refused_and_the_host_is_unchanged() {
             "{what}: {err}"
         );
         outside.check();
+    }
+    eprintln!("{test}: {:.1}s", t0.elapsed().as_secs_f64());
+}
+
+/// A pure-Python wheel (`embertestpkg` 1.0) made here with Python's zipfile: no network, no
+/// build tools.
+const MKWHEEL: &str = r#"
+import base64, hashlib, sys, zipfile
+out = sys.argv[1]
+name, ver = "embertestpkg", "1.0"
+files = {
+    f"{name}/__init__.py": 'VALUE = "from-the-local-index"\n',
+    f"{name}-{ver}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {ver}\n",
+    f"{name}-{ver}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: ember-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+record = f"{name}-{ver}.dist-info/RECORD"
+lines = []
+with zipfile.ZipFile(f"{out}/{name}-{ver}-py3-none-any.whl", "w") as z:
+    for path, text in files.items():
+        data = text.encode()
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        lines.append(f"{path},sha256={digest},{len(data)}")
+        z.writestr(zipfile.ZipInfo(path, (1980, 1, 1, 0, 0, 0)), data)
+    lines.append(f"{record},,")
+    z.writestr(zipfile.ZipInfo(record, (1980, 1, 1, 0, 0, 0)), "\n".join(lines) + "\n")
+"#;
+
+/// A package index (a static wheel directory behind Python's http.server) on port 8000 of a
+/// network namespace of its own; a build whose `--build-netns` is that namespace reaches it
+/// at the build link's gateway address.
+struct PackageIndex {
+    ns: String,
+    child: std::process::Child,
+}
+
+impl PackageIndex {
+    fn start(dir: &Path) -> PackageIndex {
+        let ns = format!("ember-df-{}", std::process::id());
+        let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+        for args in [
+            vec!["netns", "add", &ns],
+            vec!["netns", "exec", &ns, "ip", "link", "set", "lo", "up"],
+        ] {
+            let ok = Command::new("ip").args(&args).status().expect("ip");
+            assert!(ok.success(), "ip {args:?}");
+        }
+        let child = Command::new("ip")
+            .args(["netns", "exec", &ns, "python3", "-m", "http.server", "8000"])
+            .args(["--bind", "0.0.0.0", "--directory"])
+            .arg(dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start the index");
+        let index = PackageIndex { ns, child };
+        let t0 = Instant::now();
+        loop {
+            let probe = Command::new("ip")
+                .args(["netns", "exec", &index.ns, "python3", "-c"])
+                .arg("import urllib.request as u; u.urlopen('http://127.0.0.1:8000/simple/', timeout=2)")
+                .output()
+                .expect("probe");
+            if probe.status.success() {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the package index did not answer in 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        index
+    }
+}
+
+impl Drop for PackageIndex {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = Command::new("ip").args(["netns", "del", &self.ns]).output();
+    }
+}
+
+/// `ember template build NAME --dockerfile ... --json`: (key, stderr, seconds).
+fn build_dockerfile(name: &str, context: &Path, extra: &[&str]) -> (String, String, f64) {
+    let t0 = Instant::now();
+    let out = Command::new(bin("ember"))
+        .args(["template", "build", name, "--json", "--dockerfile"])
+        .arg(context.join("Dockerfile"))
+        .arg("--kernel")
+        .arg(kernel())
+        .args(extra)
+        .env("EMBER_VMM", bin("ember-vmm"))
+        .output()
+        .expect("run ember template build --dockerfile");
+    let secs = t0.elapsed().as_secs_f64();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    eprintln!(
+        "ember template build {name} --dockerfile: {:?} in {secs:.1}s\n{err}",
+        out.status
+    );
+    let (key, _) = built_key(&out);
+    (key, err, secs)
+}
+
+#[test]
+fn dockerfile_steps_run_in_a_vm_are_cached_and_the_sandbox_sees_them() {
+    let test = "dockerfile_steps_run_in_a_vm_are_cached_and_the_sandbox_sees_them";
+    if !prerequisites(test) {
+        return;
+    }
+    // pip runs in the guest from Debian's pip wheel (the Debian tree has Python, not pip).
+    let pip = std::fs::read_dir("/usr/share/python-wheels")
+        .ok()
+        .and_then(|d| {
+            d.flatten()
+                .map(|e| e.path())
+                .find(|p| p.to_string_lossy().contains("/pip-"))
+        });
+    let Some(pip) = pip else {
+        skip(
+            test,
+            "no /usr/share/python-wheels/pip-*.whl (python3-pip-whl, which python3-venv pulls \
+             in; scripts/test-prereqs.sh installs python3-venv)",
+        );
+        return;
+    };
+    let t0 = Instant::now();
+    let work = tempfile::Builder::new()
+        .prefix("ember-df-test-")
+        .tempdir()
+        .expect("tempdir");
+    let layout = debian_layout(work.path());
+    // The index: /simple/embertestpkg/<wheel>, listed by http.server.
+    let pkgdir = work.path().join("index/simple/embertestpkg");
+    std::fs::create_dir_all(&pkgdir).expect("mkdir");
+    let ok = Command::new("python3")
+        .args(["-c", MKWHEEL])
+        .arg(&pkgdir)
+        .status()
+        .expect("python3");
+    assert!(ok.success(), "making the wheel");
+    let index = PackageIndex::start(&work.path().join("index"));
+    // The context: pip's wheel, an app directory with a file .dockerignore leaves out.
+    let ctx = work.path().join("ctx");
+    std::fs::create_dir_all(ctx.join("app")).expect("mkdir");
+    std::fs::copy(&pip, ctx.join("pip.whl")).expect("copy pip");
+    std::fs::write(ctx.join("app/main.py"), "print('app')\n").expect("write");
+    std::fs::write(ctx.join("app/debug.log"), "not for the image\n").expect("write");
+    std::fs::write(ctx.join(".dockerignore"), "**/*.log\n").expect("write");
+    let dockerfile = |last: &str| {
+        format!(
+            "FROM oci:{}\n\
+             ARG INDEX=http://172.30.0.1:8000/simple/\n\
+             ENV EMBER_DF=from-dockerfile\n\
+             WORKDIR /srv/app\n\
+             COPY pip.whl /opt/pip.whl\n\
+             RUN python3 /opt/pip.whl/pip install --no-cache-dir --disable-pip-version-check \\\n\
+                 --break-system-packages --index-url \"$INDEX\" --trusted-host 172.30.0.1 embertestpkg\n\
+             COPY app/ ./\n\
+             RUN chown user /srv/app\n\
+             USER user\n\
+             RUN whoami > /srv/app/whoami && echo {last} > /srv/app/last\n",
+            layout.display()
+        )
+    };
+    let name = "oci-test-dockerfile";
+    std::fs::write(ctx.join("Dockerfile"), dockerfile("first")).expect("write");
+    // Exec and files only (no code contexts: no warm-up, a short build); run_code in a
+    // template built from a Dockerfile is the E2B template test's (tests/e2b.rs).
+    let netns = ["--build-netns", index.ns.as_str(), "--no-code"];
+    let (_, _, first) = build_dockerfile(name, &ctx, &netns);
+    // The last step edited (a new value every run, so that it is always rebuilt): only it
+    // runs again.
+    let marker = format!(
+        "edited-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+    );
+    std::fs::write(ctx.join("Dockerfile"), dockerfile(&marker)).expect("write");
+    let (_, err, second) = build_dockerfile(name, &ctx, &netns);
+    assert!(
+        err.contains("steps: 1 run, 5 cached"),
+        "editing the last step ran more than it: {err}"
+    );
+    assert!(
+        err.contains("pip install") && err.contains(": cached"),
+        "{err}"
+    );
+    eprintln!(
+        "Dockerfile build: first {first:.1}s (all cached when the image's steps ran before), \
+         after editing the last step {second:.1}s"
+    );
+
+    // ENV is the template's environment (what its code contexts and E2B's commands get).
+    let t = ember_runtime::Template::open(name).expect("the template");
+    assert_eq!(
+        t.info.env.get("EMBER_DF").map(String::as_str),
+        Some("from-dockerfile")
+    );
+    let t_create = Instant::now();
+    let sb = sandbox(name);
+    assert_eq!(
+        exec(
+            &sb,
+            "cat /srv/app/whoami /srv/app/last /srv/app/main.py; ls /srv/app/debug.log 2>/dev/null || echo ignored; \
+             python3 -c 'import embertestpkg; print(embertestpkg.VALUE)'"
+        ),
+        format!("user\n{marker}\nprint('app')\nignored\nfrom-the-local-index\n")
+    );
+    eprintln!(
+        "create -> first exec result: {:.0} ms",
+        t_create.elapsed().as_secs_f64() * 1e3
+    );
+    let _ = sb.kill();
+    // The edited build's template goes (a new one each run); the first one stays cached.
+    // Removed by key, retried: its directory is busy while the killed sandbox's jail ends.
+    let t_rm = Instant::now();
+    loop {
+        match ember_runtime::Template::remove(&t.info.key) {
+            Ok(_) | Err(ember_runtime::TemplateError::NotBuilt { .. }) => break,
+            Err(e) if t_rm.elapsed() > Duration::from_secs(60) => {
+                panic!("removing the edited build {}: {e}", t.info.key)
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(500)),
+        }
     }
     eprintln!("{test}: {:.1}s", t0.elapsed().as_secs_f64());
 }

@@ -1,6 +1,7 @@
 //! The warm pool end to end (real KVM, real jails): creates take jailed VMMs that were
-//! started ahead (`ember-vmm --wait-restore`), and those behave exactly like freshly spawned
-//! ones; concurrent creates never share a VMM; a pooled VMM that dies is replaced; the pool
+//! started ahead (`ember-vmm --wait-restore`) and primed (guest running, connected, one silent
+//! cell run), and those behave exactly like freshly spawned ones, with the clock and entropy
+//! of their hand-out; an unprimed member is started by the create; concurrent creates never share a VMM; a pooled VMM that dies is replaced; the pool
 //! grows with the create rate; a runtime that goes away leaves no process, jail, cgroup or
 //! network namespace behind, and one that was killed has its leftovers reclaimed by the
 //! next.
@@ -46,7 +47,7 @@ fn agent_link(rt: &Runtime, id: &str) -> String {
         .to_string()
 }
 
-/// How the create of `id` got its VMM: "pool" or "fresh".
+/// How the create of `id` got its VMM: "pool-primed", "pool" (unprimed) or "fresh".
 fn vmm_path(rt: &Runtime, id: &str) -> String {
     let args = ember_tests::create_record_args(rt, id);
     args["vmm"]["path"]
@@ -95,6 +96,10 @@ fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
 /// What a sandbox looks like from inside: the answer of a computation, the template's
 /// interpreter state, a file written and read back, and the guest's view of its disk.
 fn observe(rt: &Runtime, id: &str) -> (String, String, Vec<u8>, String) {
+    // The first cell sees IPython's history as the template left it: a primed member's
+    // priming cell left no trace (no input stored, no `_`, no `Out` entry).
+    let (st, history, _) = code(rt, id, "print(repr(_), repr(__), sorted(Out), len(In))");
+    assert_eq!(st, EndStatus::Ok, "{history}");
     let (st, _, text) = code(rt, id, "6 * 7");
     assert_eq!(st, EndStatus::Ok);
     let (st, globals, _) = code(
@@ -115,7 +120,38 @@ fn observe(rt: &Runtime, id: &str) -> (String, String, Vec<u8>, String) {
         "import os\nprint(sorted(os.listdir('/etc'))[:40], os.path.exists('/root'))",
     );
     assert_eq!(st, EndStatus::Ok, "{disk}");
-    (text.unwrap_or_default(), globals, back, disk)
+    (text.unwrap_or_default(), history + &globals, back, disk)
+}
+
+/// `n` bytes of the guest's `/dev/urandom` (hex) and the guest's wall clock minus the host's,
+/// in ms, read in one cell.
+fn entropy_and_clock(rt: &Runtime, id: &str) -> (String, f64) {
+    let t0 = std::time::SystemTime::now();
+    let (st, out, _) = code(
+        rt,
+        id,
+        "import time\nt = time.time()\nprint(open('/dev/urandom', 'rb').read(16).hex(), t)",
+    );
+    let t1 = std::time::SystemTime::now();
+    assert_eq!(st, EndStatus::Ok, "{out}");
+    let mut parts = out.split_whitespace();
+    let hex = parts.next().unwrap_or_default().to_string();
+    let guest: f64 = parts.next().and_then(|t| t.parse().ok()).unwrap_or(0.0);
+    let secs = |t: std::time::SystemTime| {
+        t.duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+    };
+    // The guest read its clock between t0 and t1: outside that window is its error.
+    let (lo, hi) = (secs(t0), secs(t1));
+    let off = if guest < lo {
+        guest - lo
+    } else if guest > hi {
+        guest - hi
+    } else {
+        0.0
+    };
+    (hex, off * 1e3)
 }
 
 #[test]
@@ -131,7 +167,8 @@ fn a_pooled_vmm_restores_exactly_like_a_fresh_one_and_is_jailed() {
     assert_eq!(stats.len(), 1, "{stats:?}");
     assert_eq!(stats[0].template, "default");
     let pooled = rt.create(&CreateRequest::default()).unwrap().id;
-    assert_eq!(vmm_path(&rt, &pooled), "pool");
+    // Primed (the default): the member's guest ran, connected and synced, before the create.
+    assert_eq!(vmm_path(&rt, &pooled), "pool-primed");
     // Fresh: a create whose limits differ from the pool's takes no pooled VMM.
     let fresh = rt
         .create(&CreateRequest {
@@ -141,9 +178,27 @@ fn a_pooled_vmm_restores_exactly_like_a_fresh_one_and_is_jailed() {
         .unwrap()
         .id;
     assert_eq!(vmm_path(&rt, &fresh), "fresh");
-    // Both took over the template's kept agent connection.
-    assert_eq!(agent_link(&rt, &pooled), "attached");
+    // Both took over the template's kept agent connection (the primed one at its fill).
+    assert_eq!(agent_link(&rt, &pooled), "primed");
     assert_eq!(agent_link(&rt, &fresh), "attached");
+    // The create's sync gave the primed guest the clock and entropy of its hand-out: its
+    // clock agrees with the host's, its random bytes are its own.
+    let (rand_a, off_a) = entropy_and_clock(&rt, &pooled);
+    let (rand_b, off_b) = entropy_and_clock(&rt, &fresh);
+    println!("clock offsets from the host's: primed {off_a:.1} ms, fresh {off_b:.1} ms");
+    assert!(
+        off_a.abs() <= 50.0,
+        "the primed guest's clock is {off_a:.1} ms off the host's"
+    );
+    assert!(
+        off_b.abs() <= 50.0,
+        "the fresh guest's clock is {off_b:.1} ms off the host's"
+    );
+    assert_eq!(rand_a.len(), 32, "{rand_a}");
+    assert_ne!(
+        rand_a, rand_b,
+        "two clones read the same /dev/urandom bytes"
+    );
     let a = observe(&rt, &pooled);
     let b = observe(&rt, &fresh);
     assert_eq!(a.0, "42");
@@ -211,6 +266,26 @@ fn a_pooled_vmm_restores_exactly_like_a_fresh_one_and_is_jailed() {
 }
 
 #[test]
+fn an_unprimed_pool_member_is_started_by_the_create() {
+    let h = home();
+    let mut cfg = pooled_config(h.path(), 1);
+    cfg.pool.prime = false;
+    let rt = open(cfg);
+    assert!(
+        rt.pool_wait_ready(1, Duration::from_secs(120)),
+        "the pool did not fill: {:?}",
+        rt.pool_stats()
+    );
+    let id = rt.create(&CreateRequest::default()).unwrap().id;
+    assert_eq!(vmm_path(&rt, &id), "pool");
+    assert_eq!(agent_link(&rt, &id), "attached");
+    let (history, _, _) = code(&rt, &id, "print(repr(_), len(In))");
+    assert_eq!(history, EndStatus::Ok);
+    assert_eq!(code(&rt, &id, "6 * 7").2.as_deref(), Some("42"));
+    rt.kill(&id).unwrap();
+}
+
+#[test]
 fn concurrent_creates_never_share_a_pooled_vmm_and_the_pool_grows_with_demand() {
     let h = home();
     let mut cfg = pooled_config(h.path(), 3);
@@ -245,7 +320,7 @@ fn concurrent_creates_never_share_a_pooled_vmm_and_the_pool_grows_with_demand() 
         let row = rt.get(id).unwrap();
         assert!(pids.insert(row.pid.unwrap()), "two sandboxes share a VMM");
         let vm_path = vmm_path(&rt, id);
-        if vm_path == "pool" {
+        if vm_path.starts_with("pool") {
             pooled += 1;
         }
         let (_, out, _) = code(&rt, id, "print('hi from', 1 + 1)");
@@ -282,7 +357,7 @@ fn a_killed_pooled_vmm_is_replaced() {
     assert_eq!(after.len(), 2, "{after:?}");
     // Creates still work and use the pool.
     let id = rt.create(&CreateRequest::default()).unwrap().id;
-    assert_eq!(vmm_path(&rt, &id), "pool");
+    assert_eq!(vmm_path(&rt, &id), "pool-primed");
     assert_ne!(rt.get(&id).unwrap().pid, Some(victim));
     let (_, _, text) = code(&rt, &id, "6 * 7");
     assert_eq!(text.as_deref(), Some("42"));

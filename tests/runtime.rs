@@ -293,9 +293,21 @@ fn a_filesystem_only_snapshot_boots_with_the_files_and_without_the_state() {
             ..Default::default()
         },
     );
+    let ready_ms = ember_runtime::clock::now_ms();
     eprintln!("create by booting the disk: {:?}", t0.elapsed());
     let info = rt.get(&booted).unwrap();
     assert_eq!(info.state, State::Running);
+    // The timeout counts from when the sandbox became ready, not from the request: a boot
+    // that takes longer than the timeout (minutes on a loaded kvm_pvm host) does not use it
+    // up. Ready: at most a few seconds before the create returned. (RFC 3339 strings of one
+    // format compare as their times.)
+    let timeout_ms = rt.config().default_timeout.as_millis() as i64;
+    let earliest = ember_runtime::clock::rfc3339(ready_ms - 5_000 + timeout_ms);
+    let ends_at = info.ends_at.clone().unwrap_or_default();
+    assert!(
+        ends_at >= earliest,
+        "ends_at {ends_at}, not before {earliest}"
+    );
     assert_eq!(info.template.as_deref(), Some("default"));
     // The files are there; the interpreter is new, warm and answers.
     let (st, _, text) = code(&rt, &booted, "open('/home/user/notes.txt').read()");

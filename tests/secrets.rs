@@ -719,8 +719,6 @@ fn credentials_are_added_at_the_edge_and_never_enter_the_sandbox() {
         "figure: the whole secrets test: {:.1} s",
         t_all.elapsed().as_secs_f64()
     );
-    // The time the test had, for the CI budget (3 min).
-    assert!(t_all.elapsed() < Duration::from_secs(300));
 }
 
 /// `ember serve` in the test's host namespace, killed on drop.

@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 
 use ember_tests::{decode_png, hash16, template, Serve};
 
-/// What the script may take.
-const LIMIT: Duration = Duration::from_secs(100);
+/// What the script may take: ~45–90 s alone here, several times that beside another suite's
+/// guests on a slower host (scripts/test.sh runs two lanes); past this it is hung.
+const LIMIT: Duration = Duration::from_secs(900);
 /// The pages screenshotted; each must show more distinct colours than [`MIN_COLOURS`].
 const PAGES: [&str; 5] = ["signin", "overview", "sandboxes", "sandbox", "templates"];
 const MIN_COLOURS: usize = 16;

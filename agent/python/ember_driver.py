@@ -254,13 +254,58 @@ def reseed():
     ``sync``): every clone of a template would otherwise draw the same ``random`` numbers."""
     import random
 
-    random.seed()
+    # 256 bits from the kernel, expanded in user space: `random.seed()` alone reads 2,496
+    # bytes of getrandom(), which the guest kernel generates (ChaCha20) in emulated ring-0
+    # instructions on kvm_pvm — tens of thousands of them on a clone's first cell.
+    seed = os.urandom(64)
+    random.seed(int.from_bytes(seed[:32], "little"))
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         try:
-            numpy.random.seed()
+            numpy.random.seed([int.from_bytes(seed[i:i + 4], "little") for i in range(32, 64, 4)])
         except Exception:  # noqa: BLE001 - a broken numpy must not break the cell
             pass
+
+
+UNDERS = ("_", "__", "___")
+ABSENT = object()
+
+
+def save_unders(shell):
+    """What a cell's result changes (``_``, ``__``, ``___`` in the namespace and the display
+    hook, ``_<n>`` and ``Out[n]`` for the current count n), to be put back after a silent
+    cell."""
+    hook = shell.displayhook
+    ns = shell.user_ns
+    count = shell.execution_count
+    numbered = "_%d" % count
+    out = ns.get("_oh")
+    return (
+        count,
+        {k: getattr(hook, k, ABSENT) for k in UNDERS},
+        {k: ns.get(k, ABSENT) for k in UNDERS + (numbered,)},
+        out.get(count, ABSENT) if isinstance(out, dict) else ABSENT,
+    )
+
+
+def restore_unders(shell, saved):
+    count, hook_values, ns_values, out_value = saved
+    hook = shell.displayhook
+    ns = shell.user_ns
+    for k, v in hook_values.items():
+        if v is not ABSENT:
+            setattr(hook, k, v)
+    for k, v in ns_values.items():
+        if v is ABSENT:
+            ns.pop(k, None)
+        else:
+            ns[k] = v
+    out = ns.get("_oh")
+    if isinstance(out, dict):
+        if out_value is ABSENT:
+            out.pop(count, None)
+        else:
+            out[count] = out_value
 
 
 def run(shell, channel, msg):
@@ -270,11 +315,15 @@ def run(shell, channel, msg):
     STATE.exception = None
     status = "ok"
     saved = {}
+    # A silent cell (the warm pool's priming cell) leaves no trace: not stored (the execution
+    # count does not advance), its result not in `_` or `Out`.
+    silent = bool(msg.get("silent"))
+    unders = save_unders(shell) if silent else None
     try:
         saved = apply_env(msg.get("env"))
         STATE.running = True
         try:
-            result = shell.run_cell(msg.get("code", ""), store_history=True)
+            result = shell.run_cell(msg.get("code", ""), store_history=not silent)
         finally:
             STATE.running = False
         error = result.error_before_exec or result.error_in_exec
@@ -296,6 +345,8 @@ def run(shell, channel, msg):
         STATE.exception = {"ev": "exception", "name": "KeyboardInterrupt", "value": str(e), "traceback": []}
     finally:
         restore_env(saved)
+        if unders is not None:
+            restore_unders(shell, unders)
     closing = STATE.pending
     STATE.pending = []
     if STATE.exception is not None:

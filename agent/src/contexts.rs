@@ -10,6 +10,15 @@
 //!   minute in a kvm_pvm guest): the agent sends it a fork request with the new context's
 //!   control socket and pipes (SCM_RIGHTS); it double-forks, so the context is re-parented
 //!   to PID 1 and watched through its control socket (EOF = died).
+//! - **javascript** and **typescript**: Node.js running `drivers/ember_driver.js` (TypeScript:
+//!   each cell transpiled first, types erased); **r**: `Rscript` running `drivers/ember_driver.R`;
+//!   **java**: the JDK's source launcher running `drivers/EmberJShell.java` (a jshell in the
+//!   JVM). The driver scripts are embedded in the agent and written to `/run/ember/drivers` when
+//!   first needed, so any image with the runtime installed can run the language. Those runtimes
+//!   cannot fork a warm copy of themselves (no zygote): a template starts its warm *spares*
+//!   before the snapshot instead, and a spare taken later is replaced in the background. Their
+//!   requests come on fd 0 (the control socket) as field frames ([`proc::fields_frame`]), their
+//!   events go out on fd 3, a pipe (in the python driver's framing and events).
 //! - **bash**: `bash --noprofile --norc` running a small loop that waits for a byte on fd 3,
 //!   sources the cell from a file and writes the status back on fd 3 (bash reads pipes one
 //!   byte per syscall, so code never goes through one).
@@ -72,13 +81,27 @@ pub struct ContextConfig {
     pub state_dir: PathBuf,
     /// How long a cold driver (no zygote) and the zygote get to import IPython.
     pub start_timeout: Duration,
-    /// How long a fork from the zygote or a bash start may take.
+    /// How long a fork from the zygote or a bash start may take. A forked context runs the
+    /// template's warm-up code again before it answers (pandas, a plot: tens of seconds of
+    /// guest work on kvm_pvm, minutes on a loaded host — a template build beside others once
+    /// passed the 60 s this used to be).
     pub fork_timeout: Duration,
     /// Restore `SIGPIPE`'s default action in contexts (for agents that ignore it: tests).
     pub reset_sigpipe: bool,
     /// Where a context starts when its request names no directory (if it exists; default
     /// `/workspace`, the templates' work area, so relative paths match the file API's).
     pub default_cwd: Option<PathBuf>,
+    /// Node.js, for javascript and typescript (`EMBER_NODE`, default `/usr/bin/node`).
+    pub node: String,
+    /// Directories one of which holds the `typescript` package (typescript contexts need it).
+    pub typescript: Vec<PathBuf>,
+    /// R's script front end (`EMBER_RSCRIPT`, default `/usr/bin/Rscript`).
+    pub rscript: String,
+    /// The JDK's `java` (`EMBER_JAVA`, default `/usr/bin/java`); a JDK, not a JRE: java
+    /// contexts need `jdk.jshell` and the compiler, so `jshell` is looked for beside it.
+    pub java: String,
+    /// Where the embedded drivers are written (`/run/ember/drivers`).
+    pub drivers_dir: PathBuf,
 }
 
 impl Default for ContextConfig {
@@ -89,9 +112,18 @@ impl Default for ContextConfig {
             bash: "/bin/bash".into(),
             state_dir: PathBuf::from("/run/ember/ctx"),
             start_timeout: Duration::from_secs(600),
-            fork_timeout: Duration::from_secs(60),
+            fork_timeout: Duration::from_secs(300),
             reset_sigpipe: false,
             default_cwd: Some(PathBuf::from("/workspace")),
+            node: "/usr/bin/node".into(),
+            typescript: vec![
+                PathBuf::from("/usr/share/nodejs/typescript"),
+                PathBuf::from("/usr/lib/node_modules/typescript"),
+                PathBuf::from("/usr/local/lib/node_modules/typescript"),
+            ],
+            rscript: "/usr/bin/Rscript".into(),
+            java: "/usr/bin/java".into(),
+            drivers_dir: PathBuf::from("/run/ember/drivers"),
         }
     }
 }
@@ -110,34 +142,90 @@ impl ContextConfig {
         if let Ok(dir) = std::env::var("EMBER_CTX_DIR") {
             config.state_dir = dir.into();
         }
+        if let Ok(node) = std::env::var("EMBER_NODE") {
+            config.node = node;
+        }
+        if let Ok(rscript) = std::env::var("EMBER_RSCRIPT") {
+            config.rscript = rscript;
+        }
+        if let Ok(java) = std::env::var("EMBER_JAVA") {
+            config.java = java;
+        }
         config
     }
 }
 
-/// The context languages.
+/// The context languages (in [`crate::protocol::LANGUAGES`]'s order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Lang {
     Python,
     Bash,
+    Javascript,
+    Typescript,
+    R,
+    Java,
 }
 
+/// Where Debian installs Node.js modules (`node-typescript`: `/usr/share/nodejs/typescript`):
+/// the `NODE_PATH` of javascript and typescript contexts unless one is set.
+const NODE_PATH: &str = "/usr/share/nodejs:/usr/lib/nodejs:/usr/lib/x86_64-linux-gnu/nodejs";
+
+/// The embedded drivers (see the module doc).
+const JS_DRIVER: &str = include_str!("contexts/drivers/ember_driver.js");
+const R_DRIVER: &str = include_str!("contexts/drivers/ember_driver.R");
+const JAVA_DRIVER: &str = include_str!("contexts/drivers/EmberJShell.java");
+
 impl Lang {
+    const ALL: [Lang; 6] = [
+        Lang::Python,
+        Lang::Bash,
+        Lang::Javascript,
+        Lang::Typescript,
+        Lang::R,
+        Lang::Java,
+    ];
+
     fn parse(name: Option<&str>) -> Result<Self, ErrorInfo> {
-        match name.unwrap_or("") {
-            "" | "python" | "python3" => Ok(Lang::Python),
-            "bash" => Ok(Lang::Bash),
-            other => Err(ErrorInfo::new(
-                ErrorCode::BadRequest,
-                format!("unknown language {other:?} (python, bash)"),
-            )),
+        let name = name.unwrap_or("");
+        if name.is_empty() {
+            return Ok(Lang::Python);
         }
+        crate::protocol::canonical_language(name)
+            .and_then(|canonical| Lang::ALL.into_iter().find(|l| l.name() == canonical))
+            .ok_or_else(|| {
+                ErrorInfo::new(
+                    ErrorCode::BadRequest,
+                    format!(
+                        "unknown language {name:?} ({})",
+                        crate::protocol::LANGUAGES.join(", ")
+                    ),
+                )
+            })
     }
 
     fn name(self) -> &'static str {
+        crate::protocol::LANGUAGES[self.index()]
+    }
+
+    fn index(self) -> usize {
         match self {
-            Lang::Python => "python",
-            Lang::Bash => "bash",
+            Lang::Python => 0,
+            Lang::Bash => 1,
+            Lang::Javascript => 2,
+            Lang::Typescript => 3,
+            Lang::R => 4,
+            Lang::Java => 5,
         }
+    }
+
+    /// The context a `run_code` of this language without a context id runs in.
+    fn default_context(self) -> &'static str {
+        crate::protocol::default_context(self.name())
+    }
+
+    /// A driver started from an embedded script, talking in field frames (see the module doc).
+    fn embedded(self) -> bool {
+        !matches!(self, Lang::Python | Lang::Bash)
     }
 }
 
@@ -200,6 +288,11 @@ struct Context {
     busy: AtomicBool,
     /// Set by `interrupt` during a run.
     interrupted: AtomicBool,
+    /// Whether the current run got its SIGINT (from a time limit, a host that left, or
+    /// `interrupt`): one per run. Node.js and the JVM handle a signal on their own schedule
+    /// (the event loop, the signal dispatcher thread), so a second SIGINT for the same run
+    /// could land in the next cell and interrupt it.
+    sigint_sent: AtomicBool,
     /// Set when the agent killed the process during a run (interrupt that did not work,
     /// restart, remove).
     killed: AtomicBool,
@@ -230,19 +323,22 @@ impl Context {
 
 #[derive(Debug, Default)]
 struct Spares {
-    python: Vec<Proc>,
-    bash: Vec<Proc>,
-    want_python: usize,
-    want_bash: usize,
+    /// Per language ([`Lang::index`]): the spares ready, and how many to keep.
+    pools: [Vec<Proc>; Lang::ALL.len()],
+    want: [usize; Lang::ALL.len()],
     refilling: bool,
 }
 
 impl Spares {
     fn pool(&mut self, lang: Lang) -> (&mut Vec<Proc>, usize) {
-        match lang {
-            Lang::Python => (&mut self.python, self.want_python),
-            Lang::Bash => (&mut self.bash, self.want_bash),
-        }
+        (&mut self.pools[lang.index()], self.want[lang.index()])
+    }
+
+    fn short(&self) -> bool {
+        self.pools
+            .iter()
+            .zip(self.want)
+            .any(|(pool, want)| pool.len() < want)
     }
 }
 
@@ -257,6 +353,8 @@ pub struct Contexts {
     /// Variables every context gets (the process defaults, then `warmup`'s `env`).
     base_env: Mutex<BTreeMap<String, String>>,
     devnull: OnceLock<Option<OwnedFd>>,
+    /// Held while an embedded driver is written (see `driver_file`).
+    drivers_written: Mutex<()>,
     next_dir: AtomicU64,
     /// Counts `sync` calls: a context whose process was last seeded in an older generation
     /// reseeds its language's RNGs before its next cell (clones of one snapshot would
@@ -301,8 +399,10 @@ fn shell_quote(text: &str) -> String {
 fn check_env(lang: Lang, env: &BTreeMap<String, String>) -> Result<(), ErrorInfo> {
     for (key, value) in env {
         let bad = match lang {
-            Lang::Python => key.is_empty() || key.contains('=') || key.contains('\0'),
             Lang::Bash => !bash_name(key),
+            // Sent as a field name (`env.KEY`) to the embedded drivers.
+            _ if lang.embedded() => key.is_empty() || key.contains(['=', '\0', ' ', '\n']),
+            _ => key.is_empty() || key.contains('=') || key.contains('\0'),
         } || value.contains('\0');
         if bad {
             return Err(ErrorInfo::new(
@@ -378,6 +478,19 @@ impl Run<'_> {
         }
     }
 
+    /// [`Run::sigint`], unless the run's context got one already (from `interrupt`): then
+    /// only the kill timer starts.
+    fn sigint_once(&mut self, pid: libc::pid_t, ctx: Option<&Context>) {
+        if ctx.is_some_and(|c| c.sigint_sent.swap(true, Ordering::AcqRel)) {
+            if self.sigint_at.is_none() {
+                self.sigint_at = Some(Instant::now());
+                self.sigint_last = self.sigint_at;
+            }
+            return;
+        }
+        self.sigint(pid);
+    }
+
     /// SIGINT again (a bash cell that has not ended since the last one).
     fn sigint_again(&mut self, pid: libc::pid_t) {
         sys::signal_group(pid, libc::SIGINT);
@@ -410,6 +523,7 @@ impl Contexts {
             spares: Mutex::default(),
             base_env: Mutex::new(base_env),
             devnull: OnceLock::new(),
+            drivers_written: Mutex::new(()),
             next_dir: AtomicU64::new(1),
             sync_gen: AtomicU64::new(0),
         }
@@ -438,6 +552,10 @@ impl Contexts {
                 "MPLBACKEND".into(),
                 "module://matplotlib_inline.backend_inline".into(),
             );
+        }
+        if matches!(lang, Lang::Javascript | Lang::Typescript) && !env.contains_key("NODE_PATH") {
+            // Debian's packaged modules (`typescript` among them), for `require` in cells.
+            env.insert("NODE_PATH".into(), NODE_PATH.into());
         }
         env.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
         env.into_iter().collect()
@@ -634,6 +752,137 @@ impl Contexts {
         Ok(proc)
     }
 
+    /// Writes an embedded driver to the drivers directory (once per agent: the directory is on
+    /// a tmpfs, and a snapshot keeps it); returns its path.
+    fn driver_file(&self, lang: Lang) -> Result<PathBuf, ContextError> {
+        let (name, text) = match lang {
+            Lang::R => ("ember_driver.R", R_DRIVER),
+            Lang::Java => ("EmberJShell.java", JAVA_DRIVER),
+            _ => ("ember_driver.js", JS_DRIVER),
+        };
+        let path = self.config.drivers_dir.join(name);
+        let _written = lock(&self.drivers_written);
+        if std::fs::read(&path).ok().as_deref() != Some(text.as_bytes()) {
+            std::fs::create_dir_all(&self.config.drivers_dir)
+                .map_err(io_err("creating the drivers directory"))?;
+            let tmp = path.with_extension("tmp");
+            std::fs::write(&tmp, text).map_err(io_err("writing a driver"))?;
+            std::fs::rename(&tmp, &path).map_err(io_err("writing a driver"))?;
+        }
+        Ok(path)
+    }
+
+    /// Whether this guest has `lang`'s runtime (a few `stat`s; asked only when no spare of it
+    /// is ready).
+    fn available(&self, lang: Lang) -> bool {
+        let exists = |p: &str| std::path::Path::new(p).exists();
+        match lang {
+            Lang::Python => exists(&self.config.python) && exists(&self.config.driver),
+            Lang::Bash => exists(&self.config.bash),
+            Lang::Javascript => exists(&self.config.node),
+            Lang::Typescript => {
+                exists(&self.config.node) && self.config.typescript.iter().any(|d| d.is_dir())
+            }
+            Lang::R => exists(&self.config.rscript),
+            Lang::Java => {
+                let jshell = std::path::Path::new(&self.config.java).with_file_name("jshell");
+                exists(&self.config.java) && jshell.exists()
+            }
+        }
+    }
+
+    /// Refuses a language this guest lacks, naming those it has.
+    fn check_available(&self, lang: Lang) -> Result<(), ErrorInfo> {
+        if self.available(lang) {
+            return Ok(());
+        }
+        let have: Vec<&str> = Lang::ALL
+            .into_iter()
+            .filter(|&l| self.available(l))
+            .map(Lang::name)
+            .collect();
+        Err(ErrorInfo::new(
+            ErrorCode::BadRequest,
+            format!(
+                "language {:?} is not available in this sandbox (its template has: {})",
+                lang.name(),
+                have.join(", ")
+            ),
+        ))
+    }
+
+    /// A javascript, typescript, R or java driver, started cold and ready (it warms itself up
+    /// before it says so).
+    fn start_embedded(
+        &self,
+        lang: Lang,
+        cwd: Option<&str>,
+        env: &BTreeMap<String, String>,
+    ) -> Result<Proc, ContextError> {
+        let what = match lang {
+            Lang::Javascript => "javascript driver",
+            Lang::Typescript => "typescript driver",
+            Lang::R => "R driver",
+            _ => "java driver",
+        };
+        let script = self.driver_file(lang)?.to_string_lossy().into_owned();
+        let argv: Vec<String> = match lang {
+            // internal/repl/await: Node's own rewrite of cells with a top-level await.
+            Lang::Javascript => vec![
+                self.config.node.clone(),
+                "--expose-internals".into(),
+                script,
+            ],
+            Lang::Typescript => vec![
+                self.config.node.clone(),
+                "--expose-internals".into(),
+                script,
+                "--ts".into(),
+            ],
+            Lang::R => vec![self.config.rscript.clone(), "--vanilla".into(), script],
+            // C1 only and the serial collector: less start-up and warm-up work for one vCPU;
+            // jshell compiles each snippet with javac, in this JVM.
+            _ => vec![
+                self.config.java.clone(),
+                "-XX:+UseSerialGC".into(),
+                "-XX:TieredStopAtLevel=1".into(),
+                "-Xss4m".into(),
+                script,
+            ],
+        };
+        let (ctl, ctl_child) = sys::socket_pair().map_err(io_err("creating a socket pair"))?;
+        let (events, events_w) = sys::pipe().map_err(io_err("creating a pipe"))?;
+        let (out, out_w) = sys::pipe().map_err(io_err("creating a pipe"))?;
+        let (err, err_w) = sys::pipe().map_err(io_err("creating a pipe"))?;
+        let started = sys::spawn(
+            &argv,
+            &self.env_for(lang, env),
+            cwd,
+            [
+                ctl_child.as_raw_fd(),
+                out_w.as_raw_fd(),
+                err_w.as_raw_fd(),
+                events_w.as_raw_fd(),
+            ],
+            self.config.reset_sigpipe,
+            &self.children,
+        )
+        .map_err(|source| ContextError::Spawn { what, source })?;
+        drop((ctl_child, out_w, err_w, events_w));
+        let mut proc = Proc::new(
+            started.pid,
+            Some(started.pidfd),
+            ctl,
+            [out, err],
+            self.children.clone(),
+        );
+        proc.events = Some(events);
+        let (_, cwd) = wait_ready(&mut proc, self.config.start_timeout)
+            .map_err(|reason| ContextError::NotReady { what, reason })?;
+        proc.cwd = cwd;
+        Ok(proc)
+    }
+
     fn start(
         &self,
         lang: Lang,
@@ -645,6 +894,7 @@ impl Contexts {
         match lang {
             Lang::Python => self.start_python(cwd, env),
             Lang::Bash => self.start_bash(cwd, env),
+            _ => self.start_embedded(lang, cwd, env),
         }
     }
 
@@ -667,9 +917,21 @@ impl Contexts {
             return Some(proc);
         }
         let ok = match lang {
-            Lang::Python => {
-                let msg = json!({"op": "setup", "cwd": cwd, "env": env});
-                proc.send_json(&msg).is_ok()
+            Lang::Python | Lang::Javascript | Lang::Typescript | Lang::R | Lang::Java => {
+                let sent = if lang.embedded() {
+                    let env_names: Vec<String> = env.keys().map(|k| format!("env.{k}")).collect();
+                    let mut fields = vec![("op", "setup"), ("cwd", cwd.unwrap_or(""))];
+                    fields.extend(
+                        env_names
+                            .iter()
+                            .map(String::as_str)
+                            .zip(env.values().map(String::as_str)),
+                    );
+                    proc.send_fields(&fields)
+                } else {
+                    proc.send_json(&json!({"op": "setup", "cwd": cwd, "env": env}))
+                };
+                sent.is_ok()
                     && match wait_ready(&mut proc, self.config.fork_timeout) {
                         Ok((_, cwd)) => {
                             proc.cwd = cwd;
@@ -692,6 +954,7 @@ impl Contexts {
                         Lang::Bash,
                         &code,
                         &BTreeMap::new(),
+                        false,
                         &mut Run {
                             sink: &mut Discard,
                             cap: 0,
@@ -723,16 +986,15 @@ impl Contexts {
     fn refill_spares(self: &Arc<Self>) {
         {
             let mut spares = lock(&self.spares);
-            let short =
-                spares.python.len() < spares.want_python || spares.bash.len() < spares.want_bash;
-            if !short || spares.refilling {
+            if !spares.short() || spares.refilling {
                 return;
             }
             spares.refilling = true;
         }
         let this = self.clone();
         let spawned = std::thread::Builder::new().spawn(move || {
-            this.fill_spares();
+            // A start that failed is tried again by the next refill.
+            let _ = this.fill_spares();
             lock(&this.spares).refilling = false;
         });
         if spawned.is_err() {
@@ -740,9 +1002,14 @@ impl Contexts {
         }
     }
 
-    /// Starts spares until the pools are full (or a start fails).
-    fn fill_spares(&self) {
-        for lang in [Lang::Python, Lang::Bash] {
+    /// Starts spares until the pools are full (or a start fails); returns the first failure.
+    /// A spare started in a sandbox (after the first `sync`) runs at the lowest CPU priority
+    /// until it is handed out: a runtime's cold start is long where guest syscalls are slow
+    /// (kvm_pvm), and the sandbox's own code must not wait behind it.
+    fn fill_spares(&self) -> Result<(), (Lang, ContextError)> {
+        let background = self.sync_gen.load(Ordering::Acquire) > 0;
+        let mut first_error = None;
+        for lang in Lang::ALL {
             loop {
                 let (have, want) = {
                     let mut spares = lock(&self.spares);
@@ -752,12 +1019,26 @@ impl Contexts {
                 if have >= want {
                     break;
                 }
-                match self.start(lang, None, &BTreeMap::new()) {
-                    Ok(proc) => lock(&self.spares).pool(lang).0.push(proc),
-                    Err(_) => break,
+                if background {
+                    sys::set_nice(0, 19);
+                }
+                let started = self.start(lang, None, &BTreeMap::new());
+                if background {
+                    sys::set_nice(0, 0);
+                }
+                match started {
+                    Ok(mut proc) => {
+                        proc.niced = background;
+                        lock(&self.spares).pool(lang).0.push(proc);
+                    }
+                    Err(e) => {
+                        first_error.get_or_insert((lang, e));
+                        break;
+                    }
                 }
             }
         }
+        first_error.map_or(Ok(()), Err)
     }
 
     // ---- the table ----
@@ -794,11 +1075,19 @@ impl Contexts {
         }
         let cwd = req.cwd.as_deref().filter(|c| !c.is_empty());
         let proc = match self.take_spare(lang, cwd, &req.env) {
-            Some(proc) => {
+            Some(mut proc) => {
+                // Spares started in a sandbox wait at the lowest priority (see fill_spares).
+                if proc.niced {
+                    sys::set_nice_all(proc.pid, 0);
+                    proc.niced = false;
+                }
                 self.refill_spares();
                 proc
             }
-            None => self.start(lang, cwd, &req.env)?,
+            None => {
+                self.check_available(lang)?;
+                self.start(lang, cwd, &req.env)?
+            }
         };
         let started_cwd = proc.cwd.clone();
         let ctx = Arc::new(Context {
@@ -813,6 +1102,7 @@ impl Contexts {
             }),
             busy: AtomicBool::new(false),
             interrupted: AtomicBool::new(false),
+            sigint_sent: AtomicBool::new(false),
             killed: AtomicBool::new(false),
             runs: AtomicU64::new(0),
         });
@@ -930,7 +1220,9 @@ impl Contexts {
             let run = ctx.runs.load(Ordering::Acquire);
             let pid = ctx.pid.load(Ordering::Relaxed);
             ctx.interrupted.store(true, Ordering::Release);
-            sys::signal_group(pid, libc::SIGINT);
+            if !ctx.sigint_sent.swap(true, Ordering::AcqRel) {
+                sys::signal_group(pid, libc::SIGINT);
+            }
             let deadline = Instant::now() + KILL_AFTER;
             let still_running =
                 || ctx.busy.load(Ordering::Acquire) && ctx.runs.load(Ordering::Acquire) == run;
@@ -963,10 +1255,7 @@ impl Contexts {
                         return Ok(());
                     }
                 };
-                let id = match lang {
-                    Lang::Python => DEFAULT_PYTHON,
-                    Lang::Bash => DEFAULT_BASH,
-                };
+                let id = lang.default_context();
                 match self.get(id) {
                     Some(ctx) => ctx,
                     None => {
@@ -1028,6 +1317,7 @@ impl Contexts {
         }
         ctx.runs.fetch_add(1, Ordering::AcqRel);
         ctx.interrupted.store(false, Ordering::Release);
+        ctx.sigint_sent.store(false, Ordering::Release);
         ctx.killed.store(false, Ordering::Release);
         ctx.busy.store(true, Ordering::Release);
         let started = Instant::now();
@@ -1051,6 +1341,7 @@ impl Contexts {
                 ctx.lang,
                 &req.code,
                 &req.env,
+                req.silent,
                 &mut run,
                 deadline,
                 Some(&ctx),
@@ -1163,6 +1454,7 @@ impl Contexts {
         lang: Lang,
         code: &str,
         env: &BTreeMap<String, String>,
+        silent: bool,
         run: &mut Run<'_>,
         deadline: Option<Instant>,
         ctx: Option<&Context>,
@@ -1172,7 +1464,29 @@ impl Contexts {
                 let gen = self.sync_gen.load(Ordering::Acquire);
                 let reseed = proc.seeded_gen != gen;
                 proc.seeded_gen = gen;
-                proc.send_json(&json!({"op": "run", "code": code, "env": env, "reseed": reseed}))
+                let mut msg = json!({"op": "run", "code": code, "env": env, "reseed": reseed});
+                if silent {
+                    msg["silent"] = json!(true);
+                }
+                proc.send_json(&msg)
+            }
+            Lang::Javascript | Lang::Typescript | Lang::R | Lang::Java => {
+                let gen = self.sync_gen.load(Ordering::Acquire);
+                let reseed = proc.seeded_gen != gen;
+                proc.seeded_gen = gen;
+                let env_names: Vec<String> = env.keys().map(|k| format!("env.{k}")).collect();
+                let mut fields = vec![
+                    ("op", "run"),
+                    ("code", code),
+                    ("reseed", if reseed { "1" } else { "0" }),
+                ];
+                fields.extend(
+                    env_names
+                        .iter()
+                        .map(String::as_str)
+                        .zip(env.values().map(String::as_str)),
+                );
+                proc.send_fields(&fields)
             }
             Lang::Bash => {
                 let mut cell = String::with_capacity(code.len() + 64);
@@ -1228,7 +1542,7 @@ impl Contexts {
             // restore runs with SIGINT ignored).
             let again_at = match lang {
                 Lang::Bash => run.sigint_last.map(|t| t + BASH_SIGINT_AGAIN),
-                Lang::Python => None,
+                _ => None,
             };
             let wake = [deadline, kill_at, again_at].into_iter().flatten().min();
             let [ctl, out, err, pidfd] = proc.poll_fds();
@@ -1263,7 +1577,7 @@ impl Contexts {
                 if deadline.is_some_and(|d| now >= d) {
                     run.timed_out = true;
                     deadline = None;
-                    run.sigint(proc.pid);
+                    run.sigint_once(proc.pid, ctx);
                 } else if again_at.is_some_and(|a| now >= a) {
                     run.sigint_again(proc.pid);
                 }
@@ -1279,12 +1593,20 @@ impl Contexts {
                 if let Some(ctx) = ctx {
                     ctx.interrupted.store(true, Ordering::Release);
                 }
-                run.sigint(proc.pid);
+                run.sigint_once(proc.pid, ctx);
             }
             let mut outcome = None;
             if revents[0] != 0 {
                 match lang {
-                    Lang::Python => match proc.read_driver() {
+                    Lang::Bash => match proc.read_status_lines() {
+                        Ok(Some(codes)) => {
+                            if let Some(&code) = codes.last() {
+                                outcome = Some(Outcome::Bash(code));
+                            }
+                        }
+                        Ok(None) | Err(_) => outcome = Some(Outcome::Died),
+                    },
+                    _ => match proc.read_driver() {
                         Ok(Some(events)) => {
                             for event in events {
                                 // A display waits in the driver for an ack: output before it
@@ -1303,16 +1625,12 @@ impl Contexts {
                                 }
                                 if display {
                                     // A driver that died meanwhile is seen at its EOF.
-                                    let _ = proc.send_json(&json!({"op": "ack"}));
+                                    let _ = if lang.embedded() {
+                                        proc.send_fields(&[("op", "ack")])
+                                    } else {
+                                        proc.send_json(&json!({"op": "ack"}))
+                                    };
                                 }
-                            }
-                        }
-                        Ok(None) | Err(_) => outcome = Some(Outcome::Died),
-                    },
-                    Lang::Bash => match proc.read_status_lines() {
-                        Ok(Some(codes)) => {
-                            if let Some(&code) = codes.last() {
-                                outcome = Some(Outcome::Bash(code));
                             }
                         }
                         Ok(None) | Err(_) => outcome = Some(Outcome::Died),
@@ -1336,7 +1654,7 @@ impl Contexts {
                 if let Some(ctx) = ctx {
                     ctx.interrupted.store(true, Ordering::Release);
                 }
-                run.sigint(proc.pid);
+                run.sigint_once(proc.pid, ctx);
             }
             if let Some(outcome) = outcome {
                 return outcome;
@@ -1402,11 +1720,10 @@ impl Contexts {
     /// `warmup`: start the zygote, run the warm-up code in it, create the listed contexts and
     /// the spares.
     pub fn warmup(self: &Arc<Self>, req: &WarmupRequest, sink: &mut dyn Sink) -> io::Result<()> {
-        let mut want = [0usize; 2];
+        let mut want = [0usize; Lang::ALL.len()];
         for (name, n) in &req.spare {
             match Lang::parse(Some(name)) {
-                Ok(Lang::Python) => want[0] = *n as usize,
-                Ok(Lang::Bash) => want[1] = *n as usize,
+                Ok(lang) => want[lang.index()] = *n as usize,
                 Err(info) => {
                     sink.event(EventKind::Error(info));
                     return Ok(());
@@ -1427,8 +1744,9 @@ impl Contexts {
         *lock(&self.zygote) = None;
         {
             let mut spares = lock(&self.spares);
-            spares.python.clear();
-            spares.bash.clear();
+            for pool in &mut spares.pools {
+                pool.clear();
+            }
         }
         lock(&self.base_env).extend(req.env.iter().map(|(k, v)| (k.clone(), v.clone())));
 
@@ -1459,6 +1777,7 @@ impl Contexts {
                 Lang::Python,
                 &req.code,
                 &BTreeMap::new(),
+                false,
                 &mut run,
                 Some(Instant::now() + self.config.start_timeout),
                 None,
@@ -1492,12 +1811,14 @@ impl Contexts {
                 return Ok(());
             }
         }
-        {
-            let mut spares = lock(&self.spares);
-            spares.want_python = want[0];
-            spares.want_bash = want[1];
+        lock(&self.spares).want = want;
+        if let Err((lang, e)) = self.fill_spares() {
+            sink.event(EventKind::Error(ErrorInfo::new(
+                ErrorCode::ContextFailed,
+                format!("a {} spare did not start: {e}", lang.name()),
+            )));
+            return Ok(());
         }
-        self.fill_spares();
         // A template's snapshot follows the warm-up: write dirty pages out now, so that every
         // clone does not start by flushing the same pages to its own disk.
         // SAFETY: sync(2) takes no arguments and cannot fail.
@@ -1506,10 +1827,13 @@ impl Contexts {
         Ok(())
     }
 
-    /// Spares ready now, per language (python, bash).
+    /// Python and bash spares ready now.
     pub fn spare_counts(&self) -> (usize, usize) {
         let spares = lock(&self.spares);
-        (spares.python.len(), spares.bash.len())
+        (
+            spares.pools[Lang::Python.index()].len(),
+            spares.pools[Lang::Bash.index()].len(),
+        )
     }
 
     /// Whether a zygote is running.
@@ -1537,6 +1861,143 @@ mod tests {
     use std::path::Path;
 
     const PYTHON: &str = "/usr/bin/python3";
+    const NODE: &str = "/usr/bin/node";
+
+    /// Whether Node.js is here (a test prerequisite: the E2B JS SDK's tests need it too).
+    fn node_ready() -> bool {
+        let ok = Path::new(NODE).exists();
+        if !ok {
+            let why = format!("{NODE} is missing: apt-get install -y nodejs");
+            assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
+            eprintln!("skipping: {why}");
+        }
+        ok
+    }
+
+    #[test]
+    fn javascript_keeps_state_awaits_and_reports_results_displays_and_errors() {
+        if !node_ready() {
+            return;
+        }
+        let agent = Agent::new();
+        let mut c = agent.connect();
+        let js = |code: &str| RunCodeRequest {
+            language: Some("js".into()),
+            ..RunCodeRequest::new(code)
+        };
+        let cell = run(
+            &mut c,
+            js("const a = 20; function f(x) { return x * 2 }; class K {}"),
+        );
+        assert_eq!(cell.status(), EndStatus::Ok, "{:?}", cell.events);
+        let cell = run(&mut c, js("console.log('hi'); f(a) + 2"));
+        assert_eq!(cell.stdout(), "hi\n");
+        assert_eq!(cell.text(), Some("42"));
+        let cell = run(
+            &mut c,
+            js("const v = await Promise.resolve({ k: [1, 2] }); v"),
+        );
+        assert_eq!(cell.text(), Some("{ k: [ 1, 2 ] }"), "{:?}", cell.events);
+        let cell = run(
+            &mut c,
+            js("display.html('<b>x</b>'); console.log('after'); new K()"),
+        );
+        assert_eq!(cell.displays()[0].data["text/html"], "<b>x</b>");
+        assert_eq!(cell.stdout(), "after\n");
+        assert_eq!(cell.text(), Some("K {}"));
+        let cell = run(&mut c, js("Promise.reject(new RangeError('nope'))"));
+        assert_eq!(cell.status(), EndStatus::Error);
+        let e = cell.exception().unwrap();
+        assert_eq!((e.name.as_str(), e.value.as_str()), ("RangeError", "nope"));
+        let cell = run(
+            &mut c,
+            RunCodeRequest {
+                timeout_ms: Some(500),
+                ..js("while (true) {}")
+            },
+        );
+        assert_eq!(cell.status(), EndStatus::TimedOut, "{:?}", cell.events);
+        assert_eq!(run(&mut c, js("a + 1")).text(), Some("21"));
+        // Another context is another process.
+        c.context_create(
+            &ContextCreateRequest {
+                language: "javascript".into(),
+                id: Some("js2".into()),
+                ..ContextCreateRequest::default()
+            },
+            Duration::from_secs(60),
+        )
+        .unwrap();
+        let cell = run(&mut c, in_ctx("js2", "typeof a"));
+        assert_eq!(cell.text(), Some("'undefined'"));
+        // A language this guest lacks: refused with those it has.
+        let err = c
+            .context_create(
+                &ContextCreateRequest {
+                    language: "R".into(),
+                    ..ContextCreateRequest::default()
+                },
+                Duration::from_secs(60),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\"r\" is not available") && err.contains("python, bash, javascript"),
+            "{err}"
+        );
+        assert!(!err.contains("java\"") && !err.ends_with("java)"), "{err}");
+    }
+
+    /// Whether a JDK is here (the Java driver runs in the JDK's source launcher).
+    fn java_ready() -> bool {
+        let ok = std::process::Command::new("/usr/bin/javac")
+            .arg("-version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !ok {
+            let why = "a JDK is missing: apt-get install -y openjdk-17-jdk-headless";
+            assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
+            eprintln!("skipping: {why}");
+        }
+        ok
+    }
+
+    #[test]
+    fn a_java_interrupt_while_jshell_compiles_stops_the_snippet_once_it_runs() {
+        if !java_ready() {
+            return;
+        }
+        let agent = Agent::with_java("/usr/bin/java");
+        let mut c = agent.connect();
+        let java = |code: &str| RunCodeRequest {
+            language: Some("java".into()),
+            ..RunCodeRequest::new(code)
+        };
+        let cell = run(&mut c, java("int kept = 41;"));
+        assert_eq!(cell.status(), EndStatus::Ok, "{:?}", cell.events);
+        // One snippet that takes jshell long to compile (thousands of statements), then spins:
+        // the time limit's SIGINT lands during the compile, when `JShell::stop` has no
+        // execution to stop yet.
+        let mut code = String::from("{ long x = 0;\n");
+        for i in 0..3000 {
+            code += &format!("x += {i};\n");
+        }
+        code += "while (x != -1) { x++; Thread.onSpinWait(); } }";
+        let t = Instant::now();
+        let cell = run(
+            &mut c,
+            RunCodeRequest {
+                timeout_ms: Some(200),
+                ..java(&code)
+            },
+        );
+        let took = t.elapsed();
+        assert_eq!(cell.status(), EndStatus::TimedOut, "{:?}", cell.events);
+        assert_eq!(cell.exception().unwrap().name, "KeyboardInterrupt");
+        // Stopped by the interrupt, not by the kill KILL_AFTER it (which loses the state).
+        assert!(took < KILL_AFTER, "the cell ended after {took:?}");
+        assert_eq!(run(&mut c, java("kept + 1")).text(), Some("42"));
+    }
 
     /// Whether Debian's python3 with IPython is here. Missing: a failure on CI, a skip with a
     /// reason elsewhere.
@@ -1584,6 +2045,11 @@ mod tests {
 
     impl Agent {
         fn new() -> Self {
+            Self::with_java("/nonexistent/java")
+        }
+
+        /// An agent whose java contexts use `java` (the others' lack it).
+        fn with_java(java: &str) -> Self {
             let dir = tempfile::tempdir().unwrap();
             let driver = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/ember_driver.py");
             let config = ContextConfig {
@@ -1592,6 +2058,10 @@ mod tests {
                 state_dir: dir.path().join("ctx"),
                 start_timeout: Duration::from_secs(120),
                 reset_sigpipe: true,
+                node: NODE.into(),
+                rscript: "/nonexistent/Rscript".into(),
+                java: java.into(),
+                drivers_dir: dir.path().join("drivers"),
                 ..ContextConfig::default()
             };
             let server = Server::new(

@@ -793,13 +793,43 @@ pub enum ErrorCode {
 /// A MIME bundle: MIME type to value.
 pub type MimeBundle = serde_json::Map<String, serde_json::Value>;
 
-/// The languages of code contexts, as they appear in `language` fields.
-pub const LANGUAGES: [&str; 2] = ["python", "bash"];
+/// The languages of code contexts, as they appear in `language` fields (a template may have
+/// only some of them: `context_create` of one it lacks is refused with the list it has).
+pub const LANGUAGES: [&str; 6] = ["python", "bash", "javascript", "typescript", "r", "java"];
+
+/// The language a `language` field names, aliases and case folded (`js`, `ts`, `R`,
+/// `python3`, `sh`, `node`); None: not a context language.
+pub fn canonical_language(name: &str) -> Option<&'static str> {
+    let name = name.trim().to_ascii_lowercase();
+    Some(match name.as_str() {
+        "python" | "python3" => "python",
+        "bash" | "sh" => "bash",
+        "javascript" | "js" | "node" | "nodejs" => "javascript",
+        "typescript" | "ts" => "typescript",
+        "r" => "r",
+        "java" => "java",
+        _ => return None,
+    })
+}
+
+/// The context a `run_code` without a context id runs in, per (canonical) language: `default`
+/// for python, `default-bash`, `default-javascript`, ... for the others.
+pub fn default_context(language: &str) -> &'static str {
+    match canonical_language(language) {
+        Some("bash") => "default-bash",
+        Some("javascript") => "default-javascript",
+        Some("typescript") => "default-typescript",
+        Some("r") => "default-r",
+        Some("java") => "default-java",
+        _ => "default",
+    }
+}
 
 /// Arguments of [`Call::ContextCreate`] (and one context of [`WarmupRequest::contexts`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ContextCreateRequest {
-    /// The context's language: `python` (default) or `bash`.
+    /// The context's language: `python` (default) or another of [`LANGUAGES`] (or an alias:
+    /// [`canonical_language`]).
     #[serde(default = "python")]
     pub language: String,
     /// Working directory (default `/`).
@@ -840,6 +870,12 @@ pub struct RunCodeRequest {
     /// Most stdout + stderr + display bytes sent (default [`DEFAULT_OUTPUT_CAP`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_cap: Option<u64>,
+    /// A cell that leaves no trace in the context's history: a Python context runs it
+    /// without storing it (its execution count does not advance). The runtime's warm pool
+    /// runs one in a primed member's default context, so that the pages a first cell touches
+    /// are mapped before a user's first cell; other languages ignore it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub silent: bool,
 }
 
 impl RunCodeRequest {
@@ -881,7 +917,7 @@ fn python() -> String {
 pub struct ContextInfo {
     /// The id.
     pub id: String,
-    /// The language (`python` or `bash`).
+    /// The language (one of [`LANGUAGES`]).
     pub language: String,
     /// Its working directory when it started.
     pub cwd: String,

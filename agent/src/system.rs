@@ -2,7 +2,7 @@
 //! server can be tested on a host without touching the host's clock.
 //!
 //! [`LinuxSystem`] opens what it needs once (`/dev/urandom`, the boot id), so that a `sync`
-//! costs three syscalls (`RNDADDENTROPY`, `RNDRESEEDCRNG`, `clock_settime`) and a `ping` none:
+//! costs three syscalls (`clock_settime`, `RNDADDENTROPY`, `RNDRESEEDCRNG`) and a `ping` none:
 //! the clocks are read through the vDSO.
 
 use std::ffi::CStr;

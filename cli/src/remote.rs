@@ -298,10 +298,12 @@ pub struct CodeArgs {
     pub id: String,
     /// The code; none or `-` reads it from stdin.
     pub code: Option<String>,
-    /// The context to run in (default: `default`, or `default-bash` with --language bash).
+    /// The context to run in (default: the language's, `default`, `default-bash`,
+    /// `default-javascript`, ...).
     #[arg(short, long)]
     pub context: Option<String>,
-    /// Language when no context is named: python or bash.
+    /// Language when no context is named: python, bash, javascript (js), typescript (ts), r or
+    /// java (the sandbox's template must have it).
     #[arg(short, long)]
     pub language: Option<String>,
     /// Time limit, seconds (then the code is interrupted).

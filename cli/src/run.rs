@@ -13,17 +13,32 @@ use ember_runtime::{Sandbox, SandboxOptions};
 use crate::fail;
 use crate::render::Renderer;
 
+/// The template `ember run` restores: the one named, else `default` for python and bash and
+/// `code-interpreter` (every language) for the others.
+fn template_for(a: &RunArgs) -> &str {
+    match (
+        &a.template,
+        ember_agent::protocol::canonical_language(&a.language),
+    ) {
+        (Some(t), _) => t,
+        (None, Some("python" | "bash")) => "default",
+        (None, _) => "code-interpreter",
+    }
+}
+
 /// `ember run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// Template to restore (built first if it is not).
-    #[arg(short, long, default_value = "default")]
-    pub template: String,
+    /// Template to restore (built first if it is not); default: `default` for python and
+    /// bash, `code-interpreter` for the other languages.
+    #[arg(short, long)]
+    pub template: Option<String>,
     /// Code to run; each argument is one cell, run in order in the same context (state is
     /// kept between them). `-` reads a cell from stdin.
     #[arg(required = true)]
     pub code: Vec<String>,
-    /// Language of the context: python or bash.
+    /// Language of the context: python, bash, javascript (js), typescript (ts), r or java
+    /// (the template must have it).
     #[arg(short, long, default_value = "python")]
     pub language: String,
     /// Upload a file before the first cell: `LOCAL[:GUEST]` (default guest path
@@ -50,7 +65,7 @@ pub struct RunArgs {
 
 /// Runs `ember run`.
 pub fn main(a: RunArgs) -> ExitCode {
-    let template = match ember_bench_cli::open_or_build(&a.template, false) {
+    let template = match ember_bench_cli::open_or_build(template_for(&a), false) {
         Ok(t) => t,
         Err(e) => return fail(e),
     };

@@ -50,6 +50,12 @@ pub struct ServeArgs {
     /// restore (0: off). The pool grows with the create rate up to --pool-max.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub pool: usize,
+    /// Keep warm VMMs restored with their vCPUs held, as before pool members were primed: a
+    /// create then starts the guest, makes its agent connection and pays for its first cell's
+    /// page mappings itself. By default a member's guest runs, is connected and has run one
+    /// silent cell before it is handed out (docs/performance.md, "Primed pool members").
+    #[arg(long)]
+    pub pool_unprimed: bool,
     /// Most warm VMMs per template, whatever the create rate.
     #[arg(long, value_name = "N", default_value_t = 32)]
     pub pool_max: usize,
@@ -74,7 +80,7 @@ pub struct ServeArgs {
     pub domain: Option<String>,
     /// An E2B template name and the ember template (or snapshot) it means, e.g.
     /// `code-interpreter-v1=python-data` (repeatable; overrides the defaults
-    /// `code-interpreter-v1=python-data`, `base=default`).
+    /// `code-interpreter-v1=code-interpreter`, `base=default`).
     #[arg(long = "e2b-alias", value_name = "NAME=TEMPLATE")]
     pub e2b_alias: Vec<String>,
     /// Give E2B sandboxes created with `allow_internet_access: true` (the SDKs' default)
@@ -238,6 +244,7 @@ pub fn run(a: ServeArgs, node: Option<NodeStart>) -> ExitCode {
     }
     cfg.pool.size = a.pool;
     cfg.pool.max = a.pool_max.max(a.pool);
+    cfg.pool.prime = !a.pool_unprimed;
     cfg.pool_templates = a.pool_templates.clone();
     cfg.network.uplink = a.uplink.clone();
     match ember_runtime::netpolicy::Cidr4::parse(&a.net_pool) {

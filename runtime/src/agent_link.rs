@@ -117,6 +117,12 @@ pub enum Link {
         /// Its host port.
         host_port: u32,
     },
+    /// A warm pool member's connection, made (and the guest's first cell run) when the member
+    /// was filled; the create only synced it.
+    Primed {
+        /// Its host port.
+        host_port: u32,
+    },
     /// The snapshot recorded a kept connection, but it could not be used; a new one was made.
     Fallback {
         /// Its host port.
@@ -127,9 +133,20 @@ pub enum Link {
 }
 
 impl Link {
-    /// Whether the kept connection was used.
+    /// Whether the kept connection was used (at the create, or when a primed pool member
+    /// was filled).
     pub fn attached(&self) -> bool {
-        matches!(self, Link::Attached { .. })
+        matches!(self, Link::Attached { .. } | Link::Primed { .. })
+    }
+
+    /// The connection's host port.
+    pub fn host_port(&self) -> u32 {
+        match self {
+            Link::Attached { host_port }
+            | Link::Primed { host_port }
+            | Link::Connected { host_port }
+            | Link::Fallback { host_port, .. } => *host_port,
+        }
     }
 }
 
@@ -208,6 +225,10 @@ mod tests {
         assert_eq!(v["reason"], "gone");
         assert!(!l.attached());
         assert!(Link::Attached { host_port: 1 }.attached());
+        let p = Link::Primed { host_port: 9 };
+        assert!(p.attached());
+        assert_eq!(p.host_port(), 9);
+        assert_eq!(serde_json::to_value(&p).unwrap()["link"], "primed");
         assert_eq!("reset".parse::<LinkMode>(), Ok(LinkMode::TransportReset));
         assert!("x".parse::<LinkMode>().is_err());
     }

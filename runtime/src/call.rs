@@ -33,9 +33,9 @@ use serde::{Deserialize, Serialize};
 /// unchanged), named here so that the layers above the runtime — the server's surfaces, the
 /// CLI, the fleet's gateway — depend on the call surface alone, never on the agent protocol.
 pub use ember_agent::protocol::{
-    ContextInfo, DirEntry, EndStatus, ErrorCode, EventKind, Exception, ExecRequest, ExecUser,
-    ExitStatus, FileStat, FileType, FsOp, ProcessInfo, PtySize, ResultData, RunCodeRequest,
-    LANGUAGES,
+    canonical_language, default_context, ContextInfo, DirEntry, EndStatus, ErrorCode, EventKind,
+    Exception, ExecRequest, ExecUser, ExitStatus, FileStat, FileType, FsOp, ProcessInfo, PtySize,
+    ResultData, RunCodeRequest, LANGUAGES,
 };
 
 pub use crate::cancel::{Cancel, CancelOnDrop};
@@ -638,7 +638,7 @@ impl Runtime {
                 Reply::ProcessSignal(self.process_signal(&id, pid, signal)?)
             }
             Request::RunCode(RunCode { id, req }) => {
-                Reply::RunCode(self.run_code(&id, &req, events)?)
+                Reply::RunCode(self.run_code_cancellable(&id, &req, events, cancel)?)
             }
             Request::Exec(Exec { id, req }) => Reply::Exec(self.exec(&id, &req, events)?),
             Request::ProcessStart(ProcessStart {

@@ -3,6 +3,7 @@
 
 use std::io::{Read, Write};
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ember_agent::client::ClientError;
@@ -15,6 +16,7 @@ use sha2::Digest;
 use super::jailed::Live;
 use super::types::ArtifactInfo;
 use super::{Runtime, RuntimeError};
+use crate::call::Cancel;
 use crate::store::SandboxRow;
 
 /// What a caller's event callback returns: go on, or stop the call (the client went away).
@@ -77,6 +79,24 @@ impl Runtime {
         req: &RunCodeRequest,
         on_event: &mut dyn FnMut(&EventKind) -> Continue,
     ) -> Result<crate::RunEnd, RuntimeError> {
+        self.run_code_cancellable(id, req, on_event, None)
+    }
+
+    /// [`Self::run_code`], which `cancel` also stops from another thread (a client that went
+    /// away while the code printed nothing).
+    ///
+    /// Either way the call's agent connection is closed, and the agent interrupts the run
+    /// whose connection went away, if it is still running: that run and no other. (An
+    /// `interrupt` of the context, sent after, could reach the context's next cell, which a
+    /// client that gave up on this one may already have started.)
+    pub fn run_code_cancellable(
+        &self,
+        id: &str,
+        req: &RunCodeRequest,
+        on_event: &mut dyn FnMut(&EventKind) -> Continue,
+        cancel: Option<Arc<Cancel>>,
+    ) -> Result<crate::RunEnd, RuntimeError> {
+        let cancel = cancel.unwrap_or_default();
         let mut args = code_summary(&req.code);
         args["context"] = serde_json::json!(req.context);
         args["language"] = serde_json::json!(req.language);
@@ -100,26 +120,40 @@ impl Runtime {
         self.audited(id, "run_code", args, |vm, bytes| {
             bytes.0 = req.code.len() as u64;
             let mut stopped = false;
+            let mut gone_at_end = false;
             let r = vm.sandbox.with_client("run_code", |c| {
-                c.run_code(&req, timeout, |ev| {
+                if !cancel.arm(c.get_ref()) {
+                    stopped = true;
+                    return Err(cancelled());
+                }
+                let r = c.run_code(&req, timeout, |ev| {
                     bytes.1 += event_bytes(&ev);
                     if on_event(&ev) {
                         Ok(())
                     } else {
-                        stopped = true;
+                        // Ending the call closes the connection, which interrupts the run
+                        // in the guest if it has not ended (see above).
+                        if ev.is_terminal() {
+                            gone_at_end = true;
+                        } else {
+                            stopped = true;
+                        }
                         Err(cancelled())
                     }
-                })
-            });
-            if stopped {
-                let ctx = req.context.clone().unwrap_or_else(|| {
-                    if req.language.as_deref() == Some("bash") {
-                        "default-bash".into()
-                    } else {
-                        "default".into()
-                    }
                 });
-                let _ = vm.sandbox.interrupt(&ctx);
+                // A connection the cancel shut down must not go back to the pool.
+                if cancel.disarm() {
+                    stopped = true;
+                    return Err(cancelled());
+                }
+                r
+            });
+            if gone_at_end {
+                return Err(RuntimeError::Cancelled(
+                    "run_code cancelled: the caller went away (the code had ended)".into(),
+                ));
+            }
+            if stopped {
                 return Err(RuntimeError::Cancelled(
                     "run_code cancelled: the caller went away (the code was interrupted)".into(),
                 ));
@@ -253,12 +287,14 @@ impl Runtime {
         cwd: Option<&str>,
         context: Option<&str>,
     ) -> Result<ContextInfo, RuntimeError> {
-        if !protocol::LANGUAGES.contains(&language) {
+        // Aliases (`js`, `ts`, `R`) name their language; whether the template has it, the
+        // guest says (refused with the list of those it has).
+        let Some(language) = protocol::canonical_language(language) else {
             return Err(RuntimeError::Invalid(format!(
-                "language {language:?}: expected one of {:?}",
-                protocol::LANGUAGES
+                "language {language:?}: expected one of {}",
+                protocol::LANGUAGES.join(", ")
             )));
-        }
+        };
         let args = serde_json::json!({ "language": language, "cwd": cwd, "context": context });
         self.audited(id, "context_create", args, |vm, _| {
             let ctx = vm.sandbox.context_create_with_id(language, cwd, context)?;

@@ -49,6 +49,11 @@ pub struct PoolSettings {
     pub threads: usize,
     /// The rate-based target covers this much time of creates.
     pub lead: Duration,
+    /// Prime members (see `runtime/pooled.rs`): a member's guest runs as soon as it is
+    /// restored, its agent connection is made and synced and one silent cell runs in its
+    /// default context, so that a create only syncs it. Off: members wait restored with their
+    /// vCPUs held, and a create starts them.
+    pub prime: bool,
 }
 
 impl Default for PoolSettings {
@@ -58,6 +63,7 @@ impl Default for PoolSettings {
             max: 32,
             threads: 2,
             lead: Duration::from_secs(1),
+            prime: true,
         }
     }
 }
@@ -536,6 +542,7 @@ mod tests {
             max: 8,
             threads: 2,
             lead: Duration::from_secs(1),
+            prime: false,
         }
     }
 

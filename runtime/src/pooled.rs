@@ -27,7 +27,7 @@ use super::error::RuntimeError;
 use super::jailed::{self, Binaries, Live};
 use crate::jail::{self, SnapshotDisk};
 use crate::netpolicy::{NetManager, NetworkPolicy, SandboxNet};
-use crate::sandbox::AdoptPaths;
+use crate::sandbox::{AdoptPaths, AgentClient};
 use crate::Sandbox;
 
 /// Prefix of pool members' jail ids (and so of their cgroups and namespaces).
@@ -59,6 +59,9 @@ pub struct WarmVmm {
     state: PathBuf,
     /// When it was ready.
     pub ready_at: Instant,
+    /// A primed member's agent connection (synced, its default context has run the priming
+    /// cell) and host port: its guest runs already.
+    primed: Option<(AgentClient, u32)>,
 }
 
 /// The limits a create asks for when it names none of its own: what pool members get.
@@ -167,12 +170,18 @@ impl VmmFiller {
             restore,
             state,
             ready_at: Instant::now(),
+            primed: None,
         };
         match self
             .wait_ready(&mut warm)
             .and_then(|_| precopy_overlays(&warm, dir, uid))
             .and_then(|_| restore_held(&warm))
-        {
+            .and_then(|_| {
+                if cfg.pool.prime {
+                    warm.primed = Some(prime(cfg, &warm, dir, cfg.connect_timeout)?);
+                }
+                Ok(())
+            }) {
             Ok(()) => {
                 warm.ready_at = Instant::now();
                 Ok(warm)
@@ -258,6 +267,118 @@ fn restore_held(w: &WarmVmm) -> Result<(), String> {
     }
 }
 
+/// What a primed member's default context runs before it is handed out: a cell through the
+/// same path as a user's first (the agent's `run_code`, IPython's `run_cell`, a result), not
+/// stored in the context's history.
+const PRIMING_CELL: &str = "1 + 1";
+
+/// Primes a member restored with its vCPUs held: starts them, takes over the snapshot's kept
+/// agent connection (or connects), syncs and runs [`PRIMING_CELL`] silently in the default
+/// context. What a create's first call used to pay for happens here, off its path: the
+/// guest's catch-up after the restore (clock, timers, deferred work) and, on kvm_pvm, the
+/// shadow-page fills of every page the first cell touches (~2,300). The create then only
+/// syncs again (the clock and entropy of the moment it is handed out).
+fn prime(
+    cfg: &RuntimeConfig,
+    w: &WarmVmm,
+    dir: &Path,
+    timeout: Duration,
+) -> Result<(AgentClient, u32), String> {
+    // Background work: the guest's catch-up and first cell must not slow the sandboxes in use
+    // (a refill starts right after a claim, beside that sandbox's first cell).
+    set_member_priority(cfg, &w.jail_id, Priority::Background);
+    match ember_vmm::pooled::call(&w.api_host(), &WaitRequest::Start, READY_TIMEOUT) {
+        Ok(r) if r["ok"] == true => {}
+        Ok(r) => return Err(format!("the pooled VMM refused to start: {}", r["error"])),
+        Err(e) => return Err(e),
+    }
+    // The vCPU threads the start made.
+    set_member_priority(cfg, &w.jail_id, Priority::Background);
+    let uds = w.jail.host_path(Path::new("/work/vsock"));
+    let made = match crate::agent_link::recorded(dir) {
+        Some(k) => crate::agent_link::attach(&uds, k, timeout),
+        None => crate::agent_link::connect(&uds, crate::template::AGENT_PORT, timeout),
+    };
+    let (mut client, host_port) = made.map_err(|e| format!("priming: agent connection: {e}"))?;
+    client
+        .sync_now()
+        .map_err(|e| format!("priming: sync: {e}"))?;
+    let req = ember_agent::protocol::RunCodeRequest {
+        code: PRIMING_CELL.into(),
+        silent: true,
+        ..Default::default()
+    };
+    // A template without Python (an image of its own) refuses the cell: the member is still
+    // started, connected and synced. A broken connection fails the fill.
+    match client.run_code(&req, timeout, |_| Ok(())) {
+        Ok(end) if end.status == ember_agent::protocol::EndStatus::Ok => {}
+        Ok(end) => tracing::debug!("pool: the priming cell ended {:?}", end.status),
+        Err(ember_agent::client::ClientError::Remote(info)) => {
+            tracing::debug!("pool: no priming cell: {}", info.message)
+        }
+        Err(e) => return Err(format!("priming: run_code: {e}")),
+    }
+    Ok((client, host_port))
+}
+
+/// A member's CPU priority.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Priority {
+    /// While it is primed: `nice` 19 for every thread, and the lowest CPU share of its cgroup
+    /// when it has a `cpu` one (where `nice` does not reach across cgroups).
+    Background,
+    /// Once claimed: what any sandbox gets.
+    Normal,
+}
+
+/// Sets the priority of every thread of the processes in jail `jail_id`'s cgroups. Best
+/// effort: a thread gone meanwhile is skipped, a failure is logged (it costs speed, not
+/// correctness).
+fn set_member_priority(cfg: &RuntimeConfig, jail_id: &str, p: Priority) {
+    let nice = match p {
+        Priority::Background => 19,
+        Priority::Normal => 0,
+    };
+    let mut pids = BTreeSet::new();
+    for leaf in jailed::cgroup_dirs(cfg, jail_id) {
+        if let Ok(text) = std::fs::read_to_string(leaf.join("cgroup.procs")) {
+            pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+        }
+        // cgroup v1 `cpu.shares` (default 1024, least 2), v2 `cpu.weight` (100, least 1).
+        for (file, low, normal) in [("cpu.shares", "2", "1024"), ("cpu.weight", "1", "100")] {
+            let path = leaf.join(file);
+            if path.exists() {
+                let value = if p == Priority::Background {
+                    low
+                } else {
+                    normal
+                };
+                if let Err(e) = std::fs::write(&path, value) {
+                    tracing::warn!("pool: {}: {e}", path.display());
+                }
+            }
+        }
+    }
+    for pid in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for tid in tasks.flatten() {
+            let Some(tid) = tid.file_name().to_str().and_then(|t| t.parse::<u32>().ok()) else {
+                continue;
+            };
+            // SAFETY: setpriority takes plain integers and touches no memory.
+            let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) };
+            if r != 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::ESRCH) {
+                    tracing::warn!("pool: setpriority({tid}, {nice}): {e}");
+                }
+            }
+        }
+    }
+}
+
 impl WarmVmm {
     fn api_host(&self) -> PathBuf {
         self.jail.host_path(Path::new("/work/api.sock"))
@@ -269,6 +390,7 @@ impl WarmVmm {
     /// released; the uid and namespace are the caller's to free (returned with the error).
     pub(super) fn claim(
         self,
+        cfg: &RuntimeConfig,
         id: &str,
         state: &Path,
         t0: Instant,
@@ -276,7 +398,7 @@ impl WarmVmm {
         kept: Option<crate::agent_link::KeptConnection>,
     ) -> Result<Live, (RuntimeError, u32, Option<Arc<SandboxNet>>)> {
         let WarmVmm {
-            jail_id: _,
+            jail_id,
             uid,
             jail,
             mut child,
@@ -287,6 +409,7 @@ impl WarmVmm {
             restore: _,
             state: pool_state,
             ready_at: _,
+            primed,
         } = self;
         let fail = |child: Option<&mut Child>, jail: &JailConfig, e: String| {
             if let Some(c) = child {
@@ -308,25 +431,44 @@ impl WarmVmm {
                 format!("{}: {e}", state.display()),
             ));
         }
-        // The VM is restored and held: starting its vCPUs is all that is left.
-        match ember_vmm::pooled::call(&sock, &WaitRequest::Start, connect_timeout) {
-            Ok(r) if r["ok"] == true => {}
-            Ok(r) => {
-                return Err(fail(
-                    Some(&mut child),
-                    &jail,
-                    format!("the pooled VMM refused to start: {}", r["error"]),
-                ))
-            }
-            Err(e) => return Err(fail(Some(&mut child), &jail, e)),
-        }
         let paths = AdoptPaths {
             dir: jail.host_path(Path::new("/work")),
             uds: jail.host_path(Path::new("/work/vsock")),
             api: sock.clone(),
             log,
         };
-        match Sandbox::attach(id.to_string(), child, paths, t0, connect_timeout, kept) {
+        let attached = match primed {
+            // The guest runs and its connection is made: a sync is all that is left, at the
+            // priority of a sandbox in use.
+            Some((client, host_port)) => {
+                set_member_priority(cfg, &jail_id, Priority::Normal);
+                Sandbox::attach_primed(
+                    id.to_string(),
+                    child,
+                    paths,
+                    t0,
+                    connect_timeout,
+                    client,
+                    host_port,
+                )
+            }
+            // The VM is restored and held: starting its vCPUs is all that is left.
+            None => {
+                match ember_vmm::pooled::call(&sock, &WaitRequest::Start, connect_timeout) {
+                    Ok(r) if r["ok"] == true => {}
+                    Ok(r) => {
+                        return Err(fail(
+                            Some(&mut child),
+                            &jail,
+                            format!("the pooled VMM refused to start: {}", r["error"]),
+                        ))
+                    }
+                    Err(e) => return Err(fail(Some(&mut child), &jail, e)),
+                }
+                Sandbox::attach(id.to_string(), child, paths, t0, connect_timeout, kept)
+            }
+        };
+        match attached {
             Ok(sandbox) => {
                 let _ = std::fs::remove_dir_all(&pool_state);
                 Ok(Live {
@@ -337,7 +479,7 @@ impl WarmVmm {
                     pooled: true,
                 })
             }
-            // `attach` killed the VMM.
+            // `attach` / `attach_primed` killed the VMM.
             Err(e) => Err(fail(None, &jail, e.to_string())),
         }
     }

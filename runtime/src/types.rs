@@ -151,8 +151,8 @@ pub struct CreateRequest {
     /// A named snapshot (taken with `snapshot`) to start from instead of a template.
     #[serde(default)]
     pub snapshot: Option<String>,
-    /// Idle-or-not timeout in seconds from now (default: the server's, 300). Extend it with
-    /// `set_timeout`.
+    /// Idle-or-not timeout in seconds from when the sandbox is ready (default: the server's,
+    /// 300). Extend it with `set_timeout`.
     #[serde(default)]
     pub timeout_secs: Option<u64>,
     /// What the timeout does.

@@ -138,7 +138,8 @@ pub struct NetworkArgs {
 #[serde(deny_unknown_fields)]
 pub struct CreateSandboxArgs {
     /// Template to start from: `default` (Python with IPython, bash), `python-data` (numpy,
-    /// pandas, scipy, matplotlib), `browser` (headless Chromium) or any other built on the
+    /// pandas, scipy, matplotlib), `code-interpreter` (python-data plus JavaScript,
+    /// TypeScript, R and Java), `browser` (headless Chromium) or any other built on the
     /// server. Default `default`.
     #[serde(default)]
     pub template: Option<String>,
@@ -169,7 +170,8 @@ pub struct RunCodeArgs {
     pub sandbox_id: String,
     /// The code. State (variables, imports) persists between calls in the same context.
     pub code: String,
-    /// `python` (default) or `bash`, when no context is named.
+    /// `python` (default), `bash`, `javascript`, `typescript`, `r` or `java` (those the
+    /// sandbox's template has), when no context is named.
     #[serde(default)]
     pub language: Option<String>,
     /// The code context (an interpreter with its own state); default the language's
@@ -692,7 +694,7 @@ impl EmberMcp {
     /// check it and stop the guest work.
     async fn blocking<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&dyn Backend, &Cancel) -> Result<T, ToolError> + Send + 'static,
+        f: impl FnOnce(&dyn Backend, &std::sync::Arc<Cancel>) -> Result<T, ToolError> + Send + 'static,
     ) -> Result<T, ToolError> {
         let cancel = Cancel::new();
         let _stop = CancelOnDrop(cancel.clone());
@@ -791,7 +793,9 @@ impl EmberMcp {
                     out.take(ev);
                     !cancel.fired()
                 };
-                let end = b.call(call::RunCode { id, req }, Io::events(&mut sink))?;
+                // The cancel (the MCP request went away) also stops code that prints nothing.
+                let io = Io::events(&mut sink).with_cancel(cancel.clone());
+                let end = b.call(call::RunCode { id, req }, io)?;
                 Ok(code_result(&out, &end, limit))
             })
             .await,

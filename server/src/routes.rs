@@ -482,26 +482,12 @@ pub async fn run_code(
 ) -> Response {
     let req = RunCodeRequest::from(body);
     // Code that prints nothing gives no event whose send could fail: when the client goes
-    // away, interrupt its context.
-    let context = req.context.clone().unwrap_or_else(|| {
-        match req.language.as_deref() {
-            Some("bash") => "default-bash",
-            _ => "default",
-        }
-        .to_string()
-    });
-    let (b, b2, id2) = (st.backend(), st.backend(), id.clone());
-    let on_abandon: stream::OnAbandon = Box::new(move || {
-        if let Err(e) = b2.call(
-            call::Interrupt {
-                id: id2.to_string(),
-                context: context.to_string(),
-            },
-            Io::none(),
-        ) {
-            tracing::info!("interrupting {id2}/{context} after the client left: {e}");
-        }
-    });
+    // away, the call is cancelled (its agent connection closed, which interrupts this run in
+    // the guest and no later one).
+    let cancel = call::Cancel::new();
+    let abandoned = cancel.clone();
+    let on_abandon: stream::OnAbandon = Box::new(move || abandoned.fire());
+    let b = st.backend();
     stream::ndjson(
         move |emit| {
             let end = b.call(
@@ -509,7 +495,7 @@ pub async fn run_code(
                     id: id.to_string(),
                     req: req.clone(),
                 },
-                Io::events(&mut |ev| emit(line(ev))),
+                Io::events(&mut |ev| emit(line(ev))).with_cancel(cancel.clone()),
             )?;
             Ok(serde_json::json!({
                 "type": "end",

@@ -81,7 +81,8 @@ fn python() -> String {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ContextBody {
-    /// `python` (default) or `bash`.
+    /// `python` (default), `bash`, `javascript` (`js`), `typescript` (`ts`), `r` or `java`
+    /// (the template must have it: else 400 with the languages it has).
     #[serde(default = "python")]
     pub language: String,
     /// Working directory (default `/`).
@@ -94,7 +95,7 @@ pub struct ContextBody {
 pub struct ContextOut {
     /// Its id.
     pub id: String,
-    /// `python` or `bash`.
+    /// `python`, `bash`, `javascript`, `typescript`, `r` or `java`.
     pub language: String,
     /// Its working directory when it started.
     pub cwd: String,
@@ -133,7 +134,8 @@ pub struct RunCodeBody {
     /// first use).
     #[serde(default)]
     pub context: Option<String>,
-    /// The language when no context is named: `python` (default) or `bash`.
+    /// The language when no context is named: `python` (default), `bash`, `javascript`
+    /// (`js`), `typescript` (`ts`), `r` or `java` (the template must have it).
     #[serde(default)]
     pub language: Option<String>,
     /// Time limit in milliseconds (then SIGINT, and a kill 2 s later); capped by the server.
@@ -156,6 +158,8 @@ impl From<RunCodeBody> for RunCodeRequest {
             timeout_ms: b.timeout_ms,
             env: b.env,
             output_cap: b.output_cap,
+            // The warm pool's priming cell only: not part of the API.
+            silent: false,
         }
     }
 }

@@ -121,6 +121,10 @@ def main():
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         ctx = browser.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
+        # A slow kvm_pvm host beside another lane's guests: every wait gets minutes, not
+        # Playwright's 5 s (expect) and 30 s (actions) defaults.
+        ctx.set_default_timeout(120000)
+        expect.set_options(timeout=60000)
         page = ctx.new_page()
         errors = []
         page.on("pageerror", lambda e: errors.append(str(e)))
@@ -173,7 +177,7 @@ def main():
         sid = sb["id"]
         t = time.monotonic()
         row = page.locator(f'tr[data-id="{sid}"]')
-        expect(row).to_be_visible(timeout=10000)
+        expect(row).to_be_visible(timeout=180000)
         print(f"FIGURE list_update_ms={(time.monotonic() - t) * 1000:.0f} (sandbox created through the API → its row)")
         assert page.evaluate("window.__noReload") == 1, "the page reloaded"
         assert page.locator("#sandbox-rows tr").count() <= 50
@@ -230,7 +234,7 @@ def main():
         page.fill("#cell", "import pandas as pd; df = pd.DataFrame({'a':[1,2,3]}); df.describe()")
         page.click("#run-cell")
         table = page.locator("#cell-out .rich-html table")
-        expect(table).to_be_visible(timeout=60000)
+        expect(table).to_be_visible(timeout=180000)
         expect(table).to_contain_text("mean")
         expect(table).to_contain_text("2.0")
         log("cell: describe() shown as an HTML table")
@@ -240,7 +244,7 @@ def main():
                   "HTML('<table><tr><td onclick=\"window.pwned=1\">x</td></tr></table>"
                   "<script>window.pwned=2</script><img src=x onerror=\"window.pwned=3\">')")
         page.click("#run-cell")
-        expect(page.locator("#cell-out .rich-html td")).to_have_text("x", timeout=30000)
+        expect(page.locator("#cell-out .rich-html td")).to_have_text("x", timeout=120000)
         page.locator("#cell-out .rich-html td").click()
         assert page.evaluate("window.pwned") is None
         assert page.locator("#cell-out .rich-html [onclick], #cell-out script, #cell-out .rich-html img").count() == 0
@@ -248,14 +252,14 @@ def main():
         page.fill("#cell", "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()")
         page.click("#run-cell")
         img = page.locator("#cell-out img")
-        expect(img).to_be_visible(timeout=60000)
+        expect(img).to_be_visible(timeout=180000)
         assert page.evaluate("document.querySelector('#cell-out img').naturalWidth") > 100
         log("cell: sanitized HTML, PNG image")
 
         page.fill("#cmd", "echo hi")
         page.click("#run-cmd")
         out = page.locator("#cmd-out pre.stdout")
-        expect(out).to_be_visible(timeout=30000)
+        expect(out).to_be_visible(timeout=120000)
         assert out.inner_text().strip() == "hi", out.inner_text()
         expect(page.locator("#cmd-out .status")).to_contain_text('exit {"code":0}')
         log("command: echo hi → hi")
@@ -263,10 +267,10 @@ def main():
         # An artifact: written, collected, downloaded.
         page.fill("#cmd", "mkdir -p /workspace/outputs && echo artifact-body > /workspace/outputs/report.txt")
         page.click("#run-cmd")
-        expect(page.locator("#cmd-out .status")).to_contain_text('exit {"code":0}', timeout=30000)
+        expect(page.locator("#cmd-out .status")).to_contain_text('exit {"code":0}', timeout=120000)
         page.click("#collect")
         link = page.locator("#artifacts a", has_text="report.txt")
-        expect(link).to_be_visible(timeout=30000)
+        expect(link).to_be_visible(timeout=120000)
         with page.expect_download() as dl:
             link.click()
         with open(dl.value.path(), "rb") as f:
@@ -277,7 +281,7 @@ def main():
 
         # ----- resources over time: samples the server takes while the page polls
         page.wait_for_function(
-            "() => Number(document.querySelector('#res-cpu polyline')?.dataset.points || 0) >= 3", timeout=30000)
+            "() => Number(document.querySelector('#res-cpu polyline')?.dataset.points || 0) >= 3", timeout=120000)
         r = page.request.get(f"{URL}/ui/api/sandboxes/{sid}/usage").json()
         assert len(r["samples"]) >= 3 and r["idle"] is None, r
         assert all(x["mem_used_bytes"] > 0 for x in r["samples"]), r["samples"]
@@ -292,11 +296,11 @@ def main():
             "argv": ["/bin/sh", "-c", f"printf '%s\\n' '{marker}' > /dev/ttyS0"], "user": "root"})
         assert status == 200, status
         t = time.monotonic()
-        expect(page.locator("#log-tail")).to_contain_text(marker, timeout=20000)
+        expect(page.locator("#log-tail")).to_contain_text(marker, timeout=90000)
         assert page.locator("#log-tail b").count() == 0, "guest bytes became markup"
         log(f"serial tail: the guest's line shown as text ({time.monotonic() - t:.1f} s)")
         page.select_option("#log-kind", "vmm")
-        expect(page.locator("#log-note")).to_contain_text("bytes", timeout=10000)
+        expect(page.locator("#log-note")).to_contain_text("bytes", timeout=180000)
         # A healthy VMM may have logged nothing (its log holds warnings and errors).
         r = page.request.get(f"{URL}/ui/api/sandboxes/{sid}/log?kind=vmm")
         assert r.status == 200, r.text()
@@ -312,12 +316,12 @@ def main():
         # ----- the terminal: a shell on a PTY over a WebSocket (xterm.js)
         t = time.monotonic()
         page.click("#open-term")
-        expect(page.locator("#term-state")).to_have_text("connected", timeout=30000)
+        expect(page.locator("#term-state")).to_have_text("connected", timeout=120000)
         page.locator("#term .xterm-screen").click()
         page.keyboard.type("echo hi")
         page.keyboard.press("Enter")
         # A line that is exactly `hi`: the command's output, not the echo of what was typed.
-        page.wait_for_function(TERM_HAS_LINE, arg="hi", timeout=30000)
+        page.wait_for_function(TERM_HAS_LINE, arg="hi", timeout=120000)
         expect(page.locator("#term .xterm-rows")).to_contain_text("echo hi")
         log(f"terminal: echo hi → hi ({time.monotonic() - t:.1f} s)")
         # A resize reaches the PTY: `stty size` answers the terminal's rows and columns.
@@ -326,7 +330,7 @@ def main():
         rows, cols = page.evaluate("[window.emberTerm.rows, window.emberTerm.cols]")
         page.keyboard.type("stty size")
         page.keyboard.press("Enter")
-        page.wait_for_function(TERM_HAS_LINE, arg=f"{rows} {cols}", timeout=30000)
+        page.wait_for_function(TERM_HAS_LINE, arg=f"{rows} {cols}", timeout=120000)
         page.set_viewport_size({"width": 1280, "height": 900})
         log(f"terminal: resized to {cols}x{rows}")
         # A flood (100 kB of output) goes through, and the shell still answers after it.
@@ -334,7 +338,7 @@ def main():
         page.keyboard.type("head -c 100000 /dev/zero | tr '\\0' x; echo; echo flood-$((6*7))")
         page.keyboard.press("Enter")
         try:
-            page.wait_for_function(TERM_HAS_LINE, arg="flood-42", timeout=30000)
+            page.wait_for_function(TERM_HAS_LINE, arg="flood-42", timeout=120000)
         except Exception:
             shot(page, "flood")
             print("DEBUG", page.evaluate("""() => { const b = window.emberTerm.buffer.active; const out = [];
@@ -402,10 +406,10 @@ def main():
 
         # ----- pause, resume (each confirmed in a dialog)
         page.click("#pause")
-        expect(state).to_have_attribute("data-state", "paused", timeout=60000)
+        expect(state).to_have_attribute("data-state", "paused", timeout=180000)
         t = time.monotonic()
         page.click("#resume")
-        expect(state).to_have_attribute("data-state", "running", timeout=60000)
+        expect(state).to_have_attribute("data-state", "running", timeout=180000)
         log(f"paused, resumed ({time.monotonic() - t:.1f} s)")
         expect(page.locator("#history")).to_contain_text("paused")
 
@@ -413,7 +417,7 @@ def main():
         t = time.monotonic()
         page.click("#fork")
         child = page.locator("#fork-result a")
-        expect(child).to_be_visible(timeout=60000)
+        expect(child).to_be_visible(timeout=180000)
         kid = child.inner_text()
         assert http("GET", f"/v1/sandboxes/{kid}")[1]["forked_from"] == sid
         log(f"forked: {kid} ({time.monotonic() - t:.1f} s)")
@@ -421,7 +425,7 @@ def main():
         assert status == 200, status
         t = time.monotonic()
         page.click("#snapshot")
-        expect(page.locator("#fork-result")).to_contain_text("snapshot ", timeout=60000)
+        expect(page.locator("#fork-result")).to_contain_text("snapshot ", timeout=180000)
         snap_name = page.locator("#fork-result").get_attribute("data-snapshot")
         names = [x["name"] for x in http("GET", "/v1/snapshots")[1]]
         assert snap_name in names, (snap_name, names)
@@ -431,7 +435,7 @@ def main():
 
         # ----- overview: creates per minute and create latency from the server's counters
         page.goto(URL + "/ui/#/overview")
-        page.wait_for_function("() => window.emberSamples.some((p) => p.cpm > 0 && p.lat > 0)", timeout=10000)
+        page.wait_for_function("() => window.emberSamples.some((p) => p.cpm > 0 && p.lat > 0)", timeout=180000)
         lat = page.evaluate("window.emberSamples[window.emberSamples.length - 1].lat")
         assert page.locator("#chart-cpm polyline").count() == 1 and page.locator("#chart-lat polyline").count() == 1
         log(f"overview: creates/min and create latency charted (last mean {lat:.0f} ms)")
@@ -443,7 +447,7 @@ def main():
         t = time.monotonic()
         page.fill("#build-name", "default")
         page.click("#build")
-        expect(page.locator("#build-state")).to_have_attribute("data-state", "done", timeout=60000)
+        expect(page.locator("#build-state")).to_have_attribute("data-state", "done", timeout=180000)
         expect(page.locator("#build-log")).to_contain_text("up to date")
         expect(page.locator("#build-log")).to_contain_text("done: default")
         log(f"template build (cached): {page.locator('#build-log span').count()} log lines, "
@@ -452,7 +456,7 @@ def main():
         # A recipe that does not exist: its error in the log.
         page.fill("#build-name", "no-such-recipe")
         page.click("#build")
-        expect(page.locator("#build-state")).to_have_attribute("data-state", "failed", timeout=30000)
+        expect(page.locator("#build-state")).to_have_attribute("data-state", "failed", timeout=120000)
         expect(page.locator("#build-log")).to_contain_text("error")
         expect(page.locator("#build-log")).to_contain_text("no-such-recipe")
         log("template build of an unknown recipe: its error shown")
@@ -464,7 +468,7 @@ def main():
         page.goto(URL + f"/ui/#/sandboxes/{sid}")
         expect(state).to_have_attribute("data-state", "running")
         page.click("#kill")
-        expect(state).to_have_attribute("data-state", "stopped", timeout=60000)
+        expect(state).to_have_attribute("data-state", "stopped", timeout=180000)
         page.click("#signout")
         expect(page.locator("#signin-form")).to_be_visible()
         r = page.request.get(f"{URL}/ui/api/overview")

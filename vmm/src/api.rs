@@ -229,6 +229,7 @@ impl ApiServer {
                     }
                     Ok(n) => buf.extend_from_slice(&chunk[..n]),
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                     Err(_) => {
                         close = true;
                         break;
@@ -295,9 +296,10 @@ pub fn call(socket: &Path, req: &Request) -> Result<serde_json::Value, String> {
     let mut reply = Vec::new();
     let mut b = [0u8; 4096];
     loop {
-        let n = s
-            .read(&mut b)
-            .map_err(|e| format!("no reply from {}: {e}", socket.display()))?;
+        let n = match s.read(&mut b) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            r => r.map_err(|e| format!("no reply from {}: {e}", socket.display()))?,
+        };
         if n == 0 {
             break;
         }

@@ -47,7 +47,12 @@ fn handshake(uds: &Path, line: &str, timeout: Duration) -> io::Result<UnixStream
 
 fn handshake_port(uds: &Path, line: &str, timeout: Duration) -> io::Result<(UnixStream, u32)> {
     let deadline = Instant::now() + timeout;
-    let mut s = UnixStream::connect(uds)?;
+    let mut s = loop {
+        match UnixStream::connect(uds) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => break r?,
+        }
+    };
     s.set_write_timeout(Some(timeout))?;
     s.write_all(line.as_bytes())?;
     // One byte at a time: what follows the line belongs to the caller's protocol.
@@ -62,7 +67,13 @@ fn handshake_port(uds: &Path, line: &str, timeout: Duration) -> io::Result<(Unix
             ));
         }
         s.set_read_timeout(Some(left))?;
-        match s.read(&mut b)? {
+        // A read with a timeout (SO_RCVTIMEO) is never restarted after a signal handler ran,
+        // SA_RESTART or not (signal(7)): a caller's SIGCHLD must not fail the handshake.
+        let n = match s.read(&mut b) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => r?,
+        };
+        match n {
             0 => {
                 return Err(io::Error::new(
                     io::ErrorKind::ConnectionRefused,
@@ -151,5 +162,37 @@ mod tests {
         let (_d, p) = fake_vmm(b"");
         let e = attach(&p, 1024, Duration::from_secs(5)).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused);
+    }
+
+    extern "C" fn noop(_: libc::c_int) {}
+
+    #[test]
+    fn a_signal_while_waiting_for_the_answer_is_not_an_error() {
+        // A handler without SA_RESTART, as a read with SO_RCVTIMEO gets EINTR whatever the flag.
+        // SAFETY: all-zero bytes are a valid `sigaction` (no flags, an empty mask).
+        let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
+        sa.sa_sigaction = noop as *const () as usize;
+        // SAFETY: `sa` is a valid sigaction whose handler does nothing; SIGUSR2 is used by
+        // nothing else in this test binary.
+        let rc = unsafe { libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut()) };
+        assert_eq!(rc, 0);
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("v.sock");
+        let l = UnixListener::bind(&p).unwrap();
+        // SAFETY: pthread_self has no preconditions.
+        let me = unsafe { libc::pthread_self() };
+        std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut line = [0u8; 13];
+            s.read_exact(&mut line).unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+            // SAFETY: `me` is the test's thread, blocked in the handshake's read until the
+            // reply below; SIGUSR2 has the no-op handler installed above.
+            unsafe { libc::pthread_kill(me, libc::SIGUSR2) };
+            std::thread::sleep(Duration::from_millis(200));
+            s.write_all(b"OK 5\n").unwrap();
+        });
+        let (_s, port) = connect_port(&p, 1024, Duration::from_secs(10)).unwrap();
+        assert_eq!(port, 5);
     }
 }

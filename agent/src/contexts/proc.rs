@@ -1,4 +1,5 @@
-//! One context process (a python driver or a bash) and the agent's end of its descriptors.
+//! One context process (a python, javascript, typescript, R or java driver, or a bash) and the
+//! agent's end of its descriptors.
 
 use std::fs::File;
 use std::io::{self, Read};
@@ -79,8 +80,12 @@ pub struct Proc {
     /// Its pidfd, when it is the agent's own child (bash, a cold driver, the zygote); forked
     /// python contexts are re-parented to PID 1 and are watched through `ctl` only.
     pub pidfd: Option<OwnedFd>,
-    /// The control socket (python: framed JSON; bash: a trigger line in, a status line out).
+    /// The control socket (python: framed JSON both ways; the other drivers: field requests in
+    /// (see [`fields_frame`]), events out on `events`; bash: a trigger line in, a status line out).
     pub ctl: UnixStream,
+    /// The javascript, typescript, R and java drivers' events (the read end of a pipe: those
+    /// runtimes cannot write to a socket they inherited, but can open a pipe by its /dev/fd path).
+    pub events: Option<File>,
     /// Frames from a python driver.
     pub reader: FrameReader,
     /// Status line bytes from bash.
@@ -97,6 +102,8 @@ pub struct Proc {
     pub status: Option<ExitStatus>,
     /// The `sync` generation its RNGs were last seeded in (see `Contexts::note_sync`).
     pub seeded_gen: u64,
+    /// Started at the lowest CPU priority (a spare made in a sandbox).
+    pub niced: bool,
 }
 
 impl Proc {
@@ -113,6 +120,7 @@ impl Proc {
             pid,
             pidfd,
             ctl,
+            events: None,
             reader: FrameReader::new(MAX_FRAME),
             line: Vec::new(),
             pipes: [Some(out), Some(err)],
@@ -121,6 +129,7 @@ impl Proc {
             children,
             status: None,
             seeded_gen: 0,
+            niced: false,
         }
     }
 
@@ -132,10 +141,21 @@ impl Proc {
         sys::send_all(&self.ctl, &frame)
     }
 
-    /// One read from the control socket, then every complete driver message buffered.
-    /// `Ok(None)` at EOF.
+    /// Sends one request to a javascript, typescript, R or java driver (see [`fields_frame`]).
+    pub fn send_fields(&self, fields: &[(&str, &str)]) -> io::Result<()> {
+        let frame = fields_frame(fields)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        sys::send_all(&self.ctl, &frame)
+    }
+
+    /// One read from the control socket (or the events pipe), then every complete driver
+    /// message buffered. `Ok(None)` at EOF.
     pub fn read_driver(&mut self) -> io::Result<Option<Vec<DriverEvent>>> {
-        if self.reader.fill(&mut self.ctl)? == 0 {
+        let n = match &mut self.events {
+            Some(events) => self.reader.fill(events)?,
+            None => self.reader.fill(&mut self.ctl)?,
+        };
+        if n == 0 {
             return Ok(None);
         }
         let mut events = Vec::new();
@@ -189,11 +209,14 @@ impl Proc {
         bash.cell.set_len(code.len() as u64)
     }
 
-    /// The descriptors watched while code runs: ctl, stdout, stderr, pidfd (-1: none).
+    /// The descriptors watched while code runs: where events come from (ctl or the events
+    /// pipe), stdout, stderr, pidfd (-1: none).
     pub fn poll_fds(&self) -> [RawFd; 4] {
         let pipe = |i: usize| self.pipes[i].as_ref().map_or(-1, AsRawFd::as_raw_fd);
         [
-            self.ctl.as_raw_fd(),
+            self.events
+                .as_ref()
+                .map_or_else(|| self.ctl.as_raw_fd(), AsRawFd::as_raw_fd),
             pipe(0),
             pipe(1),
             self.pidfd.as_ref().map_or(-1, AsRawFd::as_raw_fd),
@@ -265,6 +288,32 @@ impl Drop for Proc {
             let _ = std::fs::remove_dir_all(&bash.dir);
         }
     }
+}
+
+/// A request to a javascript, typescript, R or java driver: one frame (u32 LE length) whose body
+/// is the fields in order, each `NAME LEN\n` + LEN bytes + `\n` (LEN in bytes, decimal). Simpler
+/// to read than JSON in a driver written in R or Java with their standard libraries only. A
+/// name has no space or newline (the agent's own names: `op`, `code`, `cwd`, `reseed`, `env.KEY`
+/// with a checked KEY).
+pub fn fields_frame(fields: &[(&str, &str)]) -> Result<Vec<u8>, protocol::FrameError> {
+    let mut body = Vec::new();
+    for (name, value) in fields {
+        body.extend_from_slice(name.as_bytes());
+        body.extend_from_slice(format!(" {}\n", value.len()).as_bytes());
+        body.extend_from_slice(value.as_bytes());
+        body.push(b'\n');
+    }
+    let len = u32::try_from(body.len())
+        .ok()
+        .filter(|&n| n <= MAX_FRAME)
+        .ok_or(protocol::FrameError::TooLarge {
+            len: body.len() as u64,
+            max: MAX_FRAME,
+        })?;
+    let mut frame = Vec::with_capacity(body.len() + 4);
+    frame.extend_from_slice(&len.to_le_bytes());
+    frame.extend_from_slice(&body);
+    Ok(frame)
 }
 
 /// Milliseconds until `deadline` for `poll` (rounded up; -1: none).
@@ -363,5 +412,19 @@ fn exit_reason(proc: &mut Proc, what: &str) -> String {
     match proc.reap_within(Duration::from_secs(1)) {
         Some(status) => format!("{what} ({status})"),
         None => what.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fields_frame_is_length_prefixed_fields() {
+        let frame = fields_frame(&[("op", "run"), ("code", "é\n1")]).unwrap();
+        let body = b"op 3\nrun\ncode 4\n\xc3\xa9\n1\n";
+        assert_eq!(&frame[..4], &(body.len() as u32).to_le_bytes());
+        assert_eq!(&frame[4..], body);
+        assert_eq!(fields_frame(&[]).unwrap(), vec![0, 0, 0, 0]);
     }
 }

@@ -140,6 +140,25 @@ pub fn signal_group(pgid: libc::pid_t, signal: libc::c_int) {
     }
 }
 
+/// Sets the CPU priority (nice value) of thread `tid` (0: the calling thread; a process started
+/// by it inherits it, threads it makes too). Best effort: a failure leaves the priority as it was.
+pub fn set_nice(tid: libc::pid_t, nice: libc::c_int) {
+    // SAFETY: setpriority has no memory effects.
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) };
+}
+
+/// [`set_nice`] for every thread of process `pid` (Linux keeps a nice value per thread).
+pub fn set_nice_all(pid: libc::pid_t, nice: libc::c_int) {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return;
+    };
+    for task in tasks.flatten() {
+        if let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) {
+            set_nice(tid, nice);
+        }
+    }
+}
+
 /// What the child of `clone` reads; built by the parent, which is suspended (CLONE_VFORK)
 /// until the child has exec'd or exited.
 struct ChildArgs {

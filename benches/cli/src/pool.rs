@@ -59,6 +59,17 @@ pub struct BenchPoolArgs {
     pub json: bool,
 }
 
+/// KVM counters reported per create and per cell.
+const COUNTERS: &[&str] = &["insn_emulation", "exits", "pf_fixed", "pf_guest"];
+
+type Counts = std::collections::BTreeMap<String, u64>;
+
+/// The sandbox VMM's KVM counters since its restore (None when they cannot be read).
+fn kvm_counts(rt: &ember_runtime::Runtime, id: &str) -> Option<Counts> {
+    let s = rt.vmm_stats(id).ok()?;
+    serde_json::from_value(s["kvm"]["vcpu"].clone()).ok()
+}
+
 fn mono_ns() -> u64 {
     ember_vmm::report::monotonic_ns()
 }
@@ -97,6 +108,13 @@ fn print(quiet: bool, v: &Value) {
         return;
     }
     match v["measure"].as_str() {
+        Some(m) if v["median"].is_number() => {
+            eprintln!(
+                "  {m:<60} median {:>10.0}  (n={})",
+                v["median"].as_f64().unwrap_or(0.0),
+                v["n"]
+            )
+        }
         Some(m) if v["median_ms"].is_number() => eprintln!(
             "  {m:<44} median {:>8.2} ms  p95 {:>8.2} ms  (n={})",
             v["median_ms"].as_f64().unwrap_or(0.0),
@@ -108,10 +126,11 @@ fn print(quiet: bool, v: &Value) {
 }
 
 /// One pool setting: a server with it, `n` sequential creates.
-fn latency(a: &BenchPoolArgs, pool: usize) -> Result<Vec<Value>, String> {
+fn latency(a: &BenchPoolArgs, pool: usize, prime: bool) -> Result<Vec<Value>, String> {
     let settings = PoolSettings {
         size: pool,
         max: a.pool_max.max(pool),
+        prime,
         ..PoolSettings::default()
     };
     let (local, addr, token) = Local::start_with(settings).map_err(|e| e.to_string())?;
@@ -125,7 +144,11 @@ fn latency(a: &BenchPoolArgs, pool: usize) -> Result<Vec<Value>, String> {
         .as_ref()
         .and_then(|l| l.rt.clone())
         .ok_or("no runtime")?;
-    let label = if pool > 0 { "pool" } else { "fresh" };
+    let label = match (pool, prime) {
+        (0, _) => "fresh",
+        (_, false) => "pool (unprimed)",
+        (_, true) => "pool (primed)",
+    };
     let mut to_first_run = Vec::new();
     let mut to_vmm = Vec::new();
     let mut vcpus_to_run = Vec::new();
@@ -134,6 +157,8 @@ fn latency(a: &BenchPoolArgs, pool: usize) -> Result<Vec<Value>, String> {
     let mut restore = Vec::new();
     let mut answered = Vec::new();
     let mut first_result = Vec::new();
+    let mut second_result = Vec::new();
+    let mut guest: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     let mut paths = std::collections::BTreeMap::<String, usize>::new();
     let r = (|| -> Result<(), String> {
         for i in 0..a.n + 1 {
@@ -145,8 +170,16 @@ fn latency(a: &BenchPoolArgs, pool: usize) -> Result<Vec<Value>, String> {
             let sent = mono_ns();
             let info = target.create(&a.template).map_err(|e| e.to_string())?;
             let created = ms_since(t0);
+            let c0 = kvm_counts(&rt, &info.id);
             let (first, _) =
                 api_run(&target.client, &info.id, "1+1", t0).map_err(|e| e.to_string())?;
+            let c1 = kvm_counts(&rt, &info.id);
+            // The same cell again: a warm round trip in the same conditions, what the first
+            // cell costs beyond it is the first-cell overhead.
+            let t1 = Instant::now();
+            let (again, _) =
+                api_run(&target.client, &info.id, "2+2", t1).map_err(|e| e.to_string())?;
+            let c2 = kvm_counts(&rt, &info.id);
             let vmm = start_info(&target, &info.id);
             target.kill(&info.id).map_err(|e| e.to_string())?;
             if i == 0 {
@@ -155,10 +188,11 @@ fn latency(a: &BenchPoolArgs, pool: usize) -> Result<Vec<Value>, String> {
             *paths
                 .entry(vmm["path"].as_str().unwrap_or("?").to_string())
                 .or_default() += 1;
-            if let Some(ns) = vmm["first_run_mono_ns"].as_u64() {
+            // A primed member's vCPUs ran before the create: no create → KVM_RUN figure.
+            if let Some(ns) = vmm["first_run_mono_ns"].as_u64().filter(|_| !prime) {
                 to_first_run.push(ns.saturating_sub(sent) as f64 / 1e6);
             }
-            if let Some(ns) = vmm["vmm_began_mono_ns"].as_u64() {
+            if let Some(ns) = vmm["vmm_began_mono_ns"].as_u64().filter(|_| !prime) {
                 to_vmm.push(ns.saturating_sub(sent) as f64 / 1e6);
             }
             if let (Some(a), Some(b)) = (
@@ -174,7 +208,7 @@ fn latency(a: &BenchPoolArgs, pool: usize) -> Result<Vec<Value>, String> {
                     }
                 }
             }
-            if let Some(ms) = vmm["to_first_run_ms"].as_f64() {
+            if let Some(ms) = vmm["to_first_run_ms"].as_f64().filter(|_| !prime) {
                 in_runtime.push(ms);
             }
             if let Some(ms) = vmm["restore_ms"].as_f64() {
@@ -182,6 +216,31 @@ fn latency(a: &BenchPoolArgs, pool: usize) -> Result<Vec<Value>, String> {
             }
             answered.push(created);
             first_result.push(first);
+            second_result.push(again);
+            if i > 0 {
+                for k in COUNTERS {
+                    let at = |c: &Option<Counts>| c.as_ref().and_then(|c| c.get(*k)).copied();
+                    // Since the restore: for a primed member that includes its priming.
+                    if let Some(v) = at(&c0).filter(|_| !prime) {
+                        guest
+                            .entry(format!("restore → create answered: {k}"))
+                            .or_default()
+                            .push(v as f64);
+                    }
+                    if let (Some(a), Some(b)) = (at(&c0), at(&c1)) {
+                        guest
+                            .entry(format!("first cell: {k}"))
+                            .or_default()
+                            .push(b.saturating_sub(a) as f64);
+                    }
+                    if let (Some(a), Some(b)) = (at(&c1), at(&c2)) {
+                        guest
+                            .entry(format!("second cell: {k}"))
+                            .or_default()
+                            .push(b.saturating_sub(a) as f64);
+                    }
+                }
+            }
             if !a.json {
                 eprint!("\r  {label}: {i}/{}   ", a.n);
             }
@@ -236,9 +295,23 @@ fn latency(a: &BenchPoolArgs, pool: usize) -> Result<Vec<Value>, String> {
             &format!("{label}: API create → first run_code result"),
             &first_result,
         ),
+        summary(
+            &format!("{label}: second run_code round trip"),
+            &second_result,
+        ),
     ];
     for (k, v) in &steps {
         out.push(summary(&format!("{label}:   restore step {k}"), v));
+    }
+    // Guest work (KVM's counters: what carries over to hardware KVM), medians.
+    for (k, v) in &guest {
+        let mut v = v.clone();
+        v.sort_by(f64::total_cmp);
+        out.push(json!({
+            "measure": format!("{label}: guest {k}"),
+            "median": v.get(v.len() / 2).copied().unwrap_or(f64::NAN),
+            "n": v.len(),
+        }));
     }
     out.push(json!({ "measure": format!("{label}: VMM paths"), "paths": paths, "pool": rt.pool_stats() }));
     Ok(out)
@@ -479,18 +552,20 @@ pub fn main(a: BenchPoolArgs) -> ExitCode {
     }
     let mut lines = Vec::new();
     if a.n > 0 {
-        for pool in [0, a.pool] {
+        // No pool, the pool with members held (the create starts the guest), the pool with
+        // primed members (the guest already runs, connected, its first cell's pages mapped).
+        for (pool, prime) in [(0, false), (a.pool, false), (a.pool, true)] {
             if !a.json {
                 eprintln!(
                     "latency, pool {}:",
-                    if pool == 0 {
-                        "off".to_string()
-                    } else {
-                        format!("{pool}")
+                    match (pool, prime) {
+                        (0, _) => "off".to_string(),
+                        (n, false) => format!("{n}, unprimed"),
+                        (n, true) => format!("{n}, primed"),
                     }
                 );
             }
-            match latency(&a, pool) {
+            match latency(&a, pool, prime) {
                 Ok(v) => {
                     for l in &v {
                         print(a.json, l);

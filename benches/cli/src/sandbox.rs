@@ -50,6 +50,91 @@ pub struct BenchSandboxArgs {
     /// `attach` (the kept connection), `connect` (a new one), `reset` (transport reset).
     #[arg(long, value_delimiter = ',', default_values_t = vec![LinkMode::Attach, LinkMode::Connect])]
     pub vsock: Vec<LinkMode>,
+    /// Also measure these languages' contexts on one sandbox of each template (e.g.
+    /// `javascript,typescript,r,java` on `code-interpreter`): `context_create` (a warm spare),
+    /// the first and second trivial cell, and the guest syscalls one trivial cell costs in
+    /// the context's process (strace -f -c, when the template ships strace).
+    #[arg(long, value_delimiter = ',')]
+    pub languages: Vec<String>,
+}
+
+/// A cell that does next to nothing in `language`, and the text its result must have (None:
+/// no result, only a clean end).
+fn trivial_cell(language: &str) -> (&'static str, Option<&'static str>) {
+    match language {
+        "bash" => ("true", None),
+        "r" => ("1 + 1", Some("[1] 2")),
+        _ => ("1 + 1", Some("2")),
+    }
+}
+
+/// What one language's context measured on a restored sandbox.
+struct LanguageFigures {
+    context_create_ms: f64,
+    first_cell_ms: f64,
+    second_cell_ms: f64,
+    /// Per trivial cell, in the context's process (all its threads); None: no strace.
+    syscalls: Option<Result<f64, String>>,
+}
+
+fn language_figures(sb: &Sandbox, language: &str) -> Result<LanguageFigures, String> {
+    let t0 = Instant::now();
+    let ctx = sb
+        .context_create(language, None)
+        .map_err(|e| format!("context_create: {e}"))?;
+    let context_create_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let (code, text) = trivial_cell(language);
+    let req = RunCodeRequest {
+        context: Some(ctx.clone()),
+        ..RunCodeRequest::new(code)
+    };
+    let cell = || -> Result<f64, String> {
+        let t = Instant::now();
+        let mut got = None;
+        let end = sb
+            .run_code(&req, |ev| {
+                if let EventKind::Result(r) = ev {
+                    got = r
+                        .data
+                        .get("text/plain")
+                        .and_then(|v| v.as_str())
+                        .map(str::to_owned);
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        if end.status != EndStatus::Ok || text.is_some_and(|want| got.as_deref() != Some(want)) {
+            return Err(format!("{code:?} ended {:?} with {got:?}", end.status));
+        }
+        Ok(ms)
+    };
+    let first_cell_ms = cell()?;
+    let second_cell_ms = cell()?;
+    let syscalls = match sb.stat(STRACE) {
+        Ok(_) => {
+            let pid = sb
+                .context_list()
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .find(|c| c.id == ctx)
+                .map(|c| i64::from(c.pid))
+                .ok_or_else(|| format!("context {ctx} is not listed"))?;
+            const KS: u64 = 5;
+            Some(
+                traced_syscalls(sb, pid, 0, &req)
+                    .and_then(|base| Ok((base, traced_syscalls(sb, pid, KS, &req)?)))
+                    .map(|(base, with)| with.saturating_sub(base) as f64 / KS as f64),
+            )
+        }
+        Err(_) => None,
+    };
+    let _ = sb.context_remove(&ctx);
+    Ok(LanguageFigures {
+        context_create_ms,
+        first_cell_ms,
+        second_cell_ms,
+        syscalls,
+    })
 }
 
 /// KVM counters (per vCPU, summed) reported from the restore to an answer.
@@ -419,6 +504,27 @@ pub fn main(a: BenchSandboxArgs) -> ExitCode {
             }
             Err(_) => None,
         };
+        for language in &a.languages {
+            if !a.json {
+                eprintln!("{name}: {language} contexts");
+            }
+            let f = match language_figures(&sb, language) {
+                Ok(f) => f,
+                Err(e) => return fail(format!("{name}: {language}: {e}")),
+            };
+            extra.push(serde_json::json!({
+                "template": name,
+                "language": language,
+                "context_create_ms": f.context_create_ms,
+                "first_cell_ms": f.first_cell_ms,
+                "second_cell_ms": f.second_cell_ms,
+                "guest_syscalls_per_cell": match f.syscalls {
+                    Some(Ok(n)) => serde_json::json!(n),
+                    Some(Err(e)) => serde_json::json!({"unavailable": e}),
+                    None => serde_json::json!({"unavailable": "the template has no strace"}),
+                },
+            }));
+        }
         let _ = sb.kill();
         for (mode, s) in modes.iter().zip(&per_mode) {
             for (measure, samples) in [
@@ -507,6 +613,18 @@ pub fn main(a: BenchSandboxArgs) -> ExitCode {
     }
     if !a.json {
         for e in &extra {
+            if let Some(language) = e["language"].as_str() {
+                println!(
+                    "{} [{language}]: context_create {:.0} ms, first cell {:.0} ms, second cell \
+                     {:.0} ms, guest syscalls per trivial cell {}",
+                    e["template"].as_str().unwrap_or("?"),
+                    e["context_create_ms"].as_f64().unwrap_or(f64::NAN),
+                    e["first_cell_ms"].as_f64().unwrap_or(f64::NAN),
+                    e["second_cell_ms"].as_f64().unwrap_or(f64::NAN),
+                    e["guest_syscalls_per_cell"]
+                );
+                continue;
+            }
             if let Some(mode) = e["vsock"].as_str() {
                 println!(
                     "{} [{mode}]: {}/{} first connections attached; KVM counters (median) \

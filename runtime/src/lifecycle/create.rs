@@ -478,6 +478,12 @@ impl Runtime {
                 self.volumes_started(&row.id, &live);
                 st.vm = Some(Arc::new(live));
                 st.expected_exit = false;
+                if from == State::Creating {
+                    // The timeout counts from when the sandbox can take calls: a create that
+                    // boots a disk (minutes on kvm_pvm) must not use it up. The max lifetime
+                    // still counts from the request.
+                    st.row.ends_ms = Some(now_ms() + st.row.timeout_ms);
+                }
                 self.transition(slot, &mut st, State::Running, Some(what.to_string()));
                 Ok(())
             }
@@ -583,14 +589,21 @@ impl Runtime {
             }
         }
         let state = self.inner.cfg.sandbox_dir(&row.id);
-        w.claim(&row.id, &state, t0, self.inner.cfg.connect_timeout, kept)
-            .map(|live| (uid, live))
-            .map_err(|(e, uid, net)| {
-                if let Some(n) = &net {
-                    self.inner.net.teardown(n);
-                }
-                (e, Some(uid))
-            })
+        w.claim(
+            &self.inner.cfg,
+            &row.id,
+            &state,
+            t0,
+            self.inner.cfg.connect_timeout,
+            kept,
+        )
+        .map(|live| (uid, live))
+        .map_err(|(e, uid, net)| {
+            if let Some(n) = &net {
+                self.inner.net.teardown(n);
+            }
+            (e, Some(uid))
+        })
     }
 
     /// How a sandbox's VMM started (pool or fresh) and, from its report, how long after
@@ -624,7 +637,11 @@ impl Runtime {
         }
         let to_first_run_ms = first_run.map(|ns| ns.saturating_sub(mono0) as f64 / 1e6);
         Some(serde_json::json!({
-            "path": if vm.pooled { "pool" } else { "fresh" },
+            "path": match (vm.pooled, vm.sandbox.link()) {
+                (true, Some(crate::agent_link::Link::Primed { .. })) => "pool-primed",
+                (true, _) => "pool",
+                (false, _) => "fresh",
+            },
             "to_first_run_ms": to_first_run_ms,
             "first_run_mono_ns": first_run,
             "vmm_began_mono_ns": began,

@@ -234,7 +234,7 @@ impl Sandbox {
         }
     }
 
-    fn agent_err(&self, call: &'static str, source: ClientError) -> SandboxError {
+    pub(super) fn agent_err(&self, call: &'static str, source: ClientError) -> SandboxError {
         SandboxError::Agent {
             id: self.id.clone(),
             call,
@@ -345,7 +345,8 @@ impl Sandbox {
         Ok(x)
     }
 
-    /// Creates a context (`python` or `bash`) and returns its id. A template's spare context
+    /// Creates a context (`python`, `bash`, `javascript`, `typescript`, `r`, `java`: see
+    /// [`crate::call::LANGUAGES`]) and returns its id. A template's spare context
     /// is handed out when one is ready, so this costs milliseconds.
     pub fn context_create(
         &self,

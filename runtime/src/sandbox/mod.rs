@@ -341,6 +341,38 @@ impl Sandbox {
         connect_timeout: Duration,
         kept: Option<KeptConnection>,
     ) -> Result<Sandbox, SandboxError> {
+        Self::attach_with(id, child, paths, t0, connect_timeout, |sb| {
+            sb.first_connection(t0, connect_timeout, kept)
+        })
+    }
+
+    /// Takes over `child`, a warm pool member whose guest already runs and whose agent
+    /// connection `client` (host port `host_port`) the pool made when it filled the member
+    /// (see `runtime/pooled.rs`): only the sync — the host's clock and fresh entropy, the
+    /// reseed of every context's RNG before its next cell — is left. A failure kills the VMM.
+    pub fn attach_primed(
+        id: String,
+        child: Child,
+        paths: AdoptPaths,
+        t0: Instant,
+        connect_timeout: Duration,
+        mut client: AgentClient,
+        host_port: u32,
+    ) -> Result<Sandbox, SandboxError> {
+        Self::attach_with(id, child, paths, t0, connect_timeout, |sb| {
+            client.sync_now().map_err(|e| sb.agent_err("sync", e))?;
+            Ok((client, Link::Primed { host_port }))
+        })
+    }
+
+    fn attach_with(
+        id: String,
+        child: Child,
+        paths: AdoptPaths,
+        t0: Instant,
+        connect_timeout: Duration,
+        first: impl FnOnce(&Sandbox) -> Result<(AgentClient, Link), SandboxError>,
+    ) -> Result<Sandbox, SandboxError> {
         let AdoptPaths { dir, uds, api, log } = paths;
         let pidfd = pidfd_open(child.id() as i32).ok();
         let mut sandbox = Sandbox {
@@ -362,13 +394,9 @@ impl Sandbox {
         // From here on, a failure kills the VMM (Drop).
         sandbox.wait_socket(t0, connect_timeout)?;
         sandbox.timings.vmm_ready_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let (client, link) = sandbox.first_connection(t0, connect_timeout, kept)?;
+        let (client, link) = first(&sandbox)?;
         sandbox.timings.synced_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let host_port = match &link {
-            Link::Attached { host_port }
-            | Link::Connected { host_port }
-            | Link::Fallback { host_port, .. } => *host_port,
-        };
+        let host_port = link.host_port();
         sandbox.link = Some(link);
         sandbox
             .pool

@@ -16,6 +16,24 @@ use super::schema::{read_manifest, RootfsManifest, ServiceSpec, WarmupSpec};
 use super::{check_name, io_err, Template, TemplateError, TemplateInfo, AGENT_PORT};
 use crate::images;
 
+/// Copies a sparse file (holes kept; a reflink where the file system can).
+pub(super) fn copy_sparse(src: &Path, dest: &Path) -> Result<(), TemplateError> {
+    let status = Command::new("cp")
+        .args(["--sparse=always", "--reflink=auto"])
+        .arg(src)
+        .arg(dest)
+        .status()
+        .map_err(io_err("cannot run cp for", dest))?;
+    if !status.success() {
+        return Err(TemplateError::Io {
+            what: "cannot copy a layer to",
+            path: dest.to_path_buf(),
+            source: std::io::Error::other(format!("cp {}: {status}", src.display())),
+        });
+    }
+    Ok(())
+}
+
 /// Longest a template's guest may take to boot to the agent.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -47,6 +65,58 @@ pub struct BuildOptions {
     /// Limit for the warm-up (default 30 minutes: a cold `import pandas, matplotlib` is
     /// minutes of guest time on kvm_pvm).
     pub warmup_timeout: Option<Duration>,
+    /// A disk layer the template starts from (a Dockerfile's steps, [`super::steps`]), with
+    /// what those steps set.
+    pub layer: Option<Layer>,
+}
+
+/// The result of a Dockerfile's (or an E2B build's) steps: a disk layer over the root
+/// image, and the environment, working directory and start command they set.
+#[derive(Debug, Clone, Default)]
+pub struct Layer {
+    /// The copy-on-write overlay (ember's format) over the rootfs image, as the last step
+    /// left it (None: no step wrote). Copied: the template's snapshot gets its own.
+    pub overlay: Option<PathBuf>,
+    /// The last step's cache key: it goes into the template's key.
+    pub key: String,
+    /// Environment on top of the image's.
+    pub env: BTreeMap<String, String>,
+    /// Working directory of the code contexts.
+    pub workdir: Option<String>,
+    /// Started as the service `start` before the snapshot.
+    pub start: Option<ServiceSpec>,
+    /// Code contexts (false: exec and files only, the rootfs's own warm-up is kept).
+    pub code: bool,
+}
+
+impl Layer {
+    /// Folds the layer into the manifest of the rootfs it lies on: its key into the rootfs
+    /// key (and so into the template's), its environment, working directory, start command
+    /// and (with `code`) the default code contexts.
+    pub fn apply(&self, manifest: &mut RootfsManifest) {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        h.update(manifest.key.as_bytes());
+        h.update(b"\0layer\0");
+        h.update(self.key.as_bytes());
+        manifest.key = super::key::hex(&h.finalize());
+        if self.code {
+            manifest.warmup.contexts = WarmupSpec::default().contexts;
+            manifest.warmup.spare = WarmupSpec::default().spare;
+        }
+        manifest
+            .env
+            .extend(self.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        if let Some(wd) = &self.workdir {
+            for c in &mut manifest.warmup.contexts {
+                c.cwd = Some(wd.clone());
+            }
+        }
+        if let Some(s) = &self.start {
+            manifest.warmup.services.retain(|x| x.name != s.name);
+            manifest.warmup.services.push(s.clone());
+        }
+    }
 }
 
 impl Template {
@@ -77,7 +147,10 @@ impl Template {
                 progress(BuildEvent::Step(line))
             })?,
         };
-        let manifest = read_manifest(&rootfs)?;
+        let mut manifest = read_manifest(&rootfs)?;
+        if let Some(layer) = &opts.layer {
+            layer.apply(&mut manifest);
+        }
         let profile = ember_vmm::HostKvm::detect().default_profile();
         let key = template_key(&kernel_identity(&kernel)?, &manifest, &profile.to_string())?;
         let root = cache_root();
@@ -218,7 +291,7 @@ fn wait_idle(pid: u32, max: Duration) -> bool {
 }
 
 /// Kills a child on drop (the build VM, if the build fails half-way).
-struct KillOnDrop(Option<Child>);
+pub(super) struct KillOnDrop(pub(super) Option<Child>);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
@@ -229,8 +302,51 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// The files a build VM's `ember-vmm` is started with.
+pub(super) struct BuildVmFiles<'a> {
+    pub(super) config: &'a Path,
+    pub(super) api: &'a Path,
+    pub(super) report: &'a Path,
+    pub(super) console: &'a Path,
+}
+
+/// Starts a build VM's `ember-vmm` (`command`, its namespace already arranged) and waits for
+/// the agent's boot marker; on failure the message ends with the guest console's last lines.
+/// The VMM is killed when the returned guard drops.
+pub(super) fn boot_build_vm(
+    mut command: Command,
+    files: BuildVmFiles<'_>,
+    stderr: Stdio,
+    timeout: Duration,
+) -> Result<KillOnDrop, String> {
+    let vmm = command.get_program().to_owned();
+    let child = command
+        .arg("--config")
+        .arg(files.config)
+        .arg("--api-sock")
+        .arg(files.api)
+        .arg("--report")
+        .arg(files.report)
+        .arg("--serial")
+        .arg(format!("file:{}", files.console.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .map_err(|e| format!("could not be started ({}): {e}", Path::new(&vmm).display()))?;
+    let mut guard = KillOnDrop(Some(child));
+    let child = guard.0.as_mut().expect("child present");
+    wait_marker(child, files.report, 2, timeout).map_err(|e| {
+        let tail = std::fs::read_to_string(files.console).unwrap_or_default();
+        let tail: Vec<&str> = tail.lines().rev().take(15).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        format!("{e}; guest console:\n{}", tail.join("\n"))
+    })?;
+    Ok(guard)
+}
+
 /// Waits until the VMM's report shows boot marker `value`, or fails when the VMM exits first.
-fn wait_marker(
+pub(super) fn wait_marker(
     child: &mut Child,
     report: &Path,
     value: u64,
@@ -282,6 +398,10 @@ fn build_into(
         None => ember_vmm::launcher::find_vmm_binary().map_err(|e| vmm_err(e.to_string()))?,
     };
     let overlay = work.join("root.overlay");
+    if let Some(layer) = opts.layer.as_ref().and_then(|l| l.overlay.as_ref()) {
+        // The steps' layer is where the template starts; the snapshot takes its own copy.
+        copy_sparse(layer, &overlay)?;
+    }
     // Unix socket paths must fit in 108 bytes: keep the sockets in a short private directory.
     let sockets = tempfile::Builder::new()
         .prefix("ember-tb-")
@@ -342,28 +462,18 @@ fn build_into(
         ns.enter_on_exec(&mut command)
             .map_err(|e| vmm_err(format!("cannot enter the build's network namespace: {e}")))?;
     }
-    let child = command
-        .arg("--config")
-        .arg(&cfg_path)
-        .arg("--api-sock")
-        .arg(&api)
-        .arg("--report")
-        .arg(&report)
-        .arg("--serial")
-        .arg(format!("file:{}", console.display()))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| vmm_err(format!("could not be started ({}): {e}", vmm.display())))?;
-    let mut guard = KillOnDrop(Some(child));
-    let child = guard.0.as_mut().expect("child present");
-    wait_marker(child, &report, 2, BOOT_TIMEOUT).map_err(|e| {
-        let tail = std::fs::read_to_string(&console).unwrap_or_default();
-        let tail: Vec<&str> = tail.lines().rev().take(15).collect();
-        let tail: Vec<&str> = tail.into_iter().rev().collect();
-        vmm_err(format!("{e}; guest console:\n{}", tail.join("\n")))
-    })?;
+    let mut guard = boot_build_vm(
+        command,
+        BuildVmFiles {
+            config: &cfg_path,
+            api: &api,
+            report: &report,
+            console: &console,
+        },
+        Stdio::piped(),
+        BOOT_TIMEOUT,
+    )
+    .map_err(vmm_err)?;
     let boot_ms = t_boot.elapsed().as_millis() as u64;
     progress(BuildEvent::Step(format!(
         "agent up after {:.1}s; warming up",
@@ -559,7 +669,7 @@ pub(crate) fn warm_up<S: ember_agent::client::Transport>(
 
 /// Runs one `exec` to its end: the exit code (None: killed by a signal or timed out) and
 /// the output (stdout then stderr, lossy, at most a few KiB kept).
-fn exec_once<S: ember_agent::client::Transport>(
+pub(super) fn exec_once<S: ember_agent::client::Transport>(
     client: &mut Client<S>,
     req: protocol::ExecRequest,
     timeout: Duration,
@@ -659,7 +769,7 @@ fn merged_env(
     env
 }
 
-fn ember_devices_vsock_config(uds: &Path) -> ember_vmm::vm::VsockConfig {
+pub(super) fn ember_devices_vsock_config(uds: &Path) -> ember_vmm::vm::VsockConfig {
     ember_vmm::vm::VsockConfig {
         guest_cid: 3,
         uds_path: uds.to_path_buf(),
@@ -684,6 +794,43 @@ mod tests {
             check_interval(Duration::from_secs(100)),
             Duration::from_secs(30)
         );
+    }
+
+    #[test]
+    fn a_layer_goes_into_the_manifest_and_the_key() {
+        let mut m: RootfsManifest =
+            serde_json::from_str(r#"{"key": "base", "env": {"PATH": "/bin", "A": "image"}}"#)
+                .unwrap();
+        m.warmup.contexts.clear();
+        let layer = Layer {
+            overlay: None,
+            key: "steps".into(),
+            env: BTreeMap::from([("A".to_string(), "layer".to_string())]),
+            workdir: Some("/app".into()),
+            start: None,
+            code: true,
+        };
+        let mut with = m.clone();
+        layer.apply(&mut with);
+        assert_ne!(with.key, m.key, "the layer's key is in the rootfs key");
+        assert_eq!(with.env["A"], "layer");
+        assert_eq!(with.env["PATH"], "/bin");
+        assert!(
+            !with.warmup.contexts.is_empty(),
+            "code: the default contexts"
+        );
+        assert!(with
+            .warmup
+            .contexts
+            .iter()
+            .all(|c| c.cwd.as_deref() == Some("/app")));
+        let mut other = m.clone();
+        Layer {
+            key: "other".into(),
+            ..layer.clone()
+        }
+        .apply(&mut other);
+        assert_ne!(other.key, with.key);
     }
 
     #[test]

@@ -42,18 +42,22 @@ use serde::{Deserialize, Serialize};
 use crate::images;
 
 pub mod build;
+pub mod dockerfile;
 pub mod image;
 pub mod key;
 pub mod rootfs;
 pub mod schema;
+pub mod steps;
 
-pub use build::{BuildEvent, BuildOptions};
+pub use build::{BuildEvent, BuildOptions, Layer};
+pub use dockerfile::{DockerIgnore, Dockerfile, DockerfileError};
 pub use key::{sha256_file, template_key};
 pub use rootfs::{default_rootfs, default_rootfs_with};
 pub use schema::{
     recipe_path, ChecksSpec, ContextSpec, DebianSpec, FileMode, FileSpec, ImageSpec, PipSpec,
     Recipe, RecipeError, RootfsManifest, ServiceSpec, VmShape, VmSpec, WarmupSpec,
 };
+pub use steps::{build_from_steps, StepsSpec};
 
 /// The agent's vsock port.
 pub const AGENT_PORT: u32 = 1024;
@@ -101,6 +105,20 @@ pub enum TemplateError {
         /// What happened (with the VMM's own message when it gave one).
         what: String,
     },
+    /// A Dockerfile that ember cannot build (its line and why).
+    #[error(transparent)]
+    Dockerfile(#[from] dockerfile::DockerfileError),
+    /// A build step failed: its line (the Dockerfile's, or the step's number) and why.
+    #[error("build step at line {line}: {message}")]
+    Step {
+        /// The step's line.
+        line: usize,
+        /// What went wrong (the command's exit status, a COPY source that is not there...).
+        message: String,
+    },
+    /// The image lacks what the template asks for (the fix is named).
+    #[error("{0}")]
+    Feature(String),
     /// The guest's agent failed the warm-up.
     #[error("template {name}: warm-up failed: {message}")]
     Warmup {

@@ -34,8 +34,13 @@ pub const RECIPE_FORMAT: u32 = 1;
 /// Where a sandbox's artifacts are written unless the recipe says otherwise.
 pub const DEFAULT_OUTPUTS: &str = "/workspace/outputs";
 
-/// The languages a context (and a spare) can be.
-pub const LANGUAGES: [&str; 2] = ["python", "bash"];
+/// The languages a context (and a spare) can be (the agent's; each needs its runtime in the
+/// image: docs/e2b.md).
+pub const LANGUAGES: [&str; 6] = ember_agent::protocol::LANGUAGES;
+
+/// The languages that get one spare unless `[warmup] spare` says otherwise (every image has
+/// them); the others default to none, so a recipe asks for them by name.
+pub const DEFAULT_SPARE: [&str; 2] = ["python", "bash"];
 
 // ------------------------------------------------------------------------------------------
 // The recipe
@@ -227,7 +232,7 @@ impl Default for VmSpec {
 pub struct ContextSpec {
     /// Its id (`default` is what `run_code` without a context uses).
     pub id: String,
-    /// `python` or `bash`.
+    /// One of [`LANGUAGES`] (`python`, `bash`, `javascript`, `typescript`, `r`, `java`).
     #[serde(default = "python")]
     pub language: String,
     /// Working directory.
@@ -330,7 +335,7 @@ fn default_contexts() -> Vec<ContextSpec> {
     }]
 }
 fn default_spare() -> BTreeMap<String, u32> {
-    LANGUAGES.iter().map(|l| (l.to_string(), 1)).collect()
+    DEFAULT_SPARE.iter().map(|l| (l.to_string(), 1)).collect()
 }
 
 // ------------------------------------------------------------------------------------------
@@ -726,7 +731,7 @@ impl Recipe {
             let key = format!("warmup.spare.{lang}");
             in_range(&key, (*n).into(), 0, 64).map_err(|m| bad(&key, m))?;
         }
-        for lang in LANGUAGES {
+        for lang in DEFAULT_SPARE {
             w.spare.entry(lang.to_string()).or_insert(1);
         }
         let mut names = BTreeSet::new();
@@ -1037,7 +1042,16 @@ mod tests {
                     .to_string()
             })
             .collect();
-        assert_eq!(names, ["browser", "default", "python-data", "small"]);
+        assert_eq!(
+            names,
+            [
+                "browser",
+                "code-interpreter",
+                "default",
+                "python-data",
+                "small"
+            ]
+        );
         let browser = Recipe::load(&files[0]).unwrap();
         let svc: Vec<&str> = browser
             .warmup
@@ -1048,10 +1062,17 @@ mod tests {
         assert_eq!(svc, ["chromium", "cdp-relay"]);
         assert_eq!(browser.warmup.services[0].user, "user");
         assert_eq!(browser.warmup.services[1].ready_timeout_s, 1800);
-        let small = Recipe::load(&files[3]).unwrap();
+        let ci = Recipe::load(&files[1]).unwrap();
+        for lang in LANGUAGES {
+            assert!(
+                ci.warmup.spare[lang] >= 1,
+                "code-interpreter keeps a {lang} spare"
+            );
+        }
+        let small = Recipe::load(&files[4]).unwrap();
         assert!(!small.vm.network);
         assert_eq!(small.vm.memory_mib, 256);
-        let default = Recipe::load(&files[1]).unwrap();
+        let default = Recipe::load(&files[2]).unwrap();
         assert!(default.vm.network);
         assert_eq!(default.vm.disk_mib, Some(1024));
         assert_eq!(default.pip.packages, Vec::<String>::new());
@@ -1083,7 +1104,12 @@ mod tests {
                 "93c805a68576d0d5d52a75ce0ff3a9f6dd7a533f4db418c50b49996e19a25033",
             ),
         ];
-        for (file, (name, digest)) in shipped().iter().zip(golden) {
+        let files: Vec<PathBuf> = shipped()
+            .into_iter()
+            .filter(|f| golden.iter().any(|(n, _)| f.ends_with(format!("{n}.toml"))))
+            .collect();
+        assert_eq!(files.len(), golden.len());
+        for (file, (name, digest)) in files.iter().zip(golden) {
             let r = Recipe::load(file).unwrap();
             assert_eq!(r.name(), name);
             // The manifest's `vm`: the recipe's, with the image's size (here: the recipe's).
@@ -1247,7 +1273,7 @@ mod tests {
             ("[warmup]\ncode = 1\n", "warmup.code", "invalid type"),
             ("[warmup]\ncontexts = [{ language = \"python\" }]\n", "warmup.contexts[0].id", "is required"),
             ("[warmup]\ncontexts = [{ id = \"a b\" }]\n", "warmup.contexts[0].id", "must be 1-64"),
-            ("[warmup]\ncontexts = [{ id = \"a\", language = \"ruby\" }]\n", "warmup.contexts[0].language", "one of python, bash"),
+            ("[warmup]\ncontexts = [{ id = \"a\", language = \"ruby\" }]\n", "warmup.contexts[0].language", "one of python, bash, javascript"),
             ("[warmup]\ncontexts = [{ id = \"a\" }, { id = \"a\" }]\n", "warmup.contexts[1].id", "duplicate context id"),
             ("[warmup]\ncontexts = \"default\"\n", "warmup.contexts", "invalid type"),
             ("[warmup]\nspare = { python = -1 }\n", "warmup.spare.python", "invalid value"),

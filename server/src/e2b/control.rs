@@ -41,6 +41,7 @@ type Answer<T> = Result<T, E2bError>;
 pub async fn handle(st: &E2bState, router: &Router, req: Request) -> Response {
     if !api_key_ok(st, req.headers())
         && !super::volumes::content_token_ok(st, req.uri().path(), bearer(req.headers()))
+        && !super::templates::upload_token_ok(st, req.method(), req.uri())
     {
         return E2bError::unauthorized(
             "missing or wrong X-API-KEY (set E2B_API_KEY to the server's token, from \
@@ -88,6 +89,26 @@ pub(super) fn routes() -> Router<E2bState> {
         .route("/sandboxes/{id}/fork", post(fork))
         .route("/sandboxes/{id}/snapshots", post(snapshot))
         .route("/snapshots", get(list_snapshots))
+        .route("/templates", get(super::templates::list))
+        .route("/v3/templates", post(super::templates::create))
+        .route(
+            "/templates/{id}/files/{hash}",
+            get(super::templates::file_link).put(super::templates::upload),
+        )
+        .route(
+            "/v2/templates/{id}/builds/{build}",
+            post(super::templates::start),
+        )
+        .route(
+            "/templates/{id}/builds/{build}/status",
+            get(super::templates::status),
+        )
+        .route("/templates/aliases/{alias}", get(super::templates::alias))
+        .route(
+            "/templates/tags",
+            post(super::templates::add_tags).delete(super::templates::remove_tags),
+        )
+        .route("/templates/{id}/tags", get(super::templates::tags))
         .route("/templates/{id}", delete(delete_snapshot))
         .route(
             "/secrets",
@@ -754,6 +775,11 @@ async fn delete_snapshot(
     State(st): State<E2bState>,
     E2bPath(id): E2bPath<String>,
 ) -> Answer<StatusCode> {
+    // A template built through the template API goes as a template; any other id is a
+    // snapshot (E2B's snapshots are templates too).
+    if super::templates::is_built_here(&id) {
+        return super::templates::delete(id).await;
+    }
     call(&st, move |b| {
         b.call(
             call::DeleteSnapshot {

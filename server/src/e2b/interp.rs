@@ -1,17 +1,19 @@
 //! The code-interpreter surface (port 49999, `docs/e2b.md` §4): `/execute` streams the
 //! agent's `run_code` events as E2B's NDJSON lines; `/contexts` maps to the agent's
-//! contexts. Languages: `python` (default) and `bash`; the others E2B knows (JavaScript,
-//! TypeScript, R, Java) are refused with a 400 naming them.
+//! contexts. Languages: `python` (default), `bash`, `javascript`, `typescript`, `r` and `java`
+//! where the sandbox's template has them; one it lacks is refused with those it has.
 //!
 //! `/execute` lines: `stdout`/`stderr` (with `timestamp`), `result` (MIME bundle mapped to
 //! E2B's keys, `is_main_result` true for the cell's value and false for displays), `error`
 //! (`name`, `value`, `traceback`), `number_of_executions`, `keepalive` after every
 //! [`KEEPALIVE`] without output, and always `end_of_execution` last. Never a blank line.
-//! A client that goes away interrupts the code (its next output fails to send, or, if it
-//! prints nothing, the context is interrupted when the response is dropped).
+//! A client that goes away interrupts the code: its next output fails to send, or, if it
+//! prints nothing, the call is cancelled when the response is dropped. Either way the call's
+//! agent connection closes, and the agent interrupts that run (not the context's next one).
 
 use ember_runtime::call::{self, Io};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -67,12 +69,12 @@ pub fn language(requested: Option<&str>) -> Result<Option<&'static str>, E2bErro
     let Some(l) = requested.map(str::trim).filter(|l| !l.is_empty()) else {
         return Ok(None);
     };
-    match l.to_ascii_lowercase().as_str() {
-        "python" | "python3" => Ok(Some("python")),
-        "bash" | "sh" => Ok(Some("bash")),
-        other => Err(E2bError::invalid(format!(
-            "language {other:?} is not supported by this server: ember's code interpreter runs \
-             python and bash"
+    match ember_runtime::call::canonical_language(l) {
+        Some(lang) => Ok(Some(lang)),
+        None => Err(E2bError::invalid(format!(
+            "language {l:?} is not supported by this server: ember's code interpreter runs {} \
+             (each where the sandbox's template has it)",
+            ember_runtime::call::LANGUAGES.join(", ")
         ))),
     }
 }
@@ -247,13 +249,13 @@ enum Msg {
     Done(Result<(), (RuntimeError, bool)>),
 }
 
-/// Interrupts a context when dropped armed (the client went away mid-call).
+/// Cancels the call when dropped armed (the client went away mid-call).
 struct Abandon(Option<Box<dyn FnOnce() + Send>>);
 
 impl Drop for Abandon {
     fn drop(&mut self) {
         if let Some(f) = self.0.take() {
-            tracing::info!("the client left /execute before the end; interrupting the code");
+            tracing::info!("the client left /execute before the end; cancelling the run");
             if let Ok(h) = tokio::runtime::Handle::try_current() {
                 h.spawn_blocking(f);
             } else {
@@ -289,42 +291,26 @@ async fn execute(
     let env = body.env_vars.unwrap_or_default();
     // Without a named context, E2B's own default contexts (in the user's home).
     let implicit = body.context_id.is_none();
-    let context = body.context_id.unwrap_or_else(|| {
-        match lang {
-            Some("bash") => E2B_BASH,
-            _ => E2B_PYTHON,
-        }
-        .to_string()
-    });
+    let context = body
+        .context_id
+        .unwrap_or_else(|| e2b_default_context(lang.unwrap_or("python")));
     let req = RunCodeRequest {
         context: Some(context.clone()),
         code: body.code,
         env,
         ..Default::default()
     };
-    let (b, b2, id, id2, ctx2) = (
-        st.backend(),
-        st.backend(),
-        t.id.clone(),
-        t.id.clone(),
-        context.clone(),
-    );
-    let mut abandon = Abandon(Some(Box::new(move || {
-        if let Err(e) = b2.call(
-            call::Interrupt {
-                id: id2.to_string(),
-                context: ctx2.to_string(),
-            },
-            Io::none(),
-        ) {
-            tracing::info!("interrupting {id2}/{ctx2} after the client left: {e}");
-        }
-    })));
+    let (b, id) = (st.backend(), t.id.clone());
+    // The client going away cancels the run: its agent connection is closed, which interrupts
+    // this run in the guest and no later one.
+    let cancel = call::Cancel::new();
+    let abandoned = cancel.clone();
+    let mut abandon = Abandon(Some(Box::new(move || abandoned.fire())));
     let (tx, mut rx) = mpsc::channel::<Msg>(32);
     let span = Span::current();
     tokio::task::spawn_blocking(move || {
         let _enter = span.enter();
-        run(&*b, &id, &req, implicit, &tx);
+        run(&*b, &id, &req, implicit, &tx, &cancel);
     });
     let first = match tokio::time::timeout(FIRST_WAIT, rx.recv()).await {
         Ok(Some(Msg::Done(Err((e, false))))) => {
@@ -342,15 +328,26 @@ async fn execute(
 /// starts in `/workspace`); made on first use from one of the template's spare contexts
 /// (milliseconds), then kept, and carried by forks and snapshots like any context.
 pub const E2B_PYTHON: &str = "e2b-python";
-/// The same for bash.
+/// The same for bash (and `e2b-javascript`, `e2b-typescript`, `e2b-r`, `e2b-java`: the prefix
+/// and the language; see [`e2b_default_context`]).
 pub const E2B_BASH: &str = "e2b-bash";
+/// The prefix of E2B's per-language default contexts.
+const E2B_PREFIX: &str = "e2b-";
+
+/// The default context of a (canonical) language.
+pub fn e2b_default_context(language: &str) -> String {
+    format!("{E2B_PREFIX}{language}")
+}
 /// Their working directory.
 const E2B_CWD: &str = "/home/user";
 
 /// Makes the named default context `ctx` (see [`E2B_PYTHON`]); one made meanwhile by a
 /// concurrent first call is fine.
 fn make_default_context(b: &dyn Backend, id: &str, ctx: &str) -> Result<(), RuntimeError> {
-    let language = if ctx == E2B_BASH { "bash" } else { "python" };
+    let language = ctx
+        .strip_prefix(E2B_PREFIX)
+        .and_then(ember_runtime::call::canonical_language)
+        .unwrap_or("python");
     let create = call::ContextCreate {
         id: id.to_string(),
         language: language.to_string(),
@@ -369,7 +366,14 @@ fn make_default_context(b: &dyn Backend, id: &str, ctx: &str) -> Result<(), Runt
 
 /// Runs the code, sending lines; the last message is always `Done`. With `implicit`, the
 /// context is one of E2B's defaults, made when missing.
-fn run(b: &dyn Backend, id: &str, req: &RunCodeRequest, implicit: bool, tx: &mpsc::Sender<Msg>) {
+fn run(
+    b: &dyn Backend,
+    id: &str,
+    req: &RunCodeRequest,
+    implicit: bool,
+    tx: &mpsc::Sender<Msg>,
+    cancel: &Arc<call::Cancel>,
+) {
     let mut tr = Translator::default();
     let mut sent = false;
     let attempt = |tr: &mut Translator, sent: &mut bool| {
@@ -386,7 +390,8 @@ fn run(b: &dyn Backend, id: &str, req: &RunCodeRequest, implicit: bool, tx: &mps
                     *sent = true;
                 }
                 true
-            }),
+            })
+            .with_cancel(cancel.clone()),
         )
     };
     let mut r = attempt(&mut tr, &mut sent);
@@ -655,12 +660,14 @@ mod tests {
         assert_eq!(language(None).unwrap(), None);
         assert_eq!(language(Some("Python")).unwrap(), Some("python"));
         assert_eq!(language(Some("bash")).unwrap(), Some("bash"));
-        for l in ["js", "javascript", "ts", "r", "java"] {
-            assert_eq!(
-                language(Some(l)).unwrap_err().status,
-                StatusCode::BAD_REQUEST
-            );
-        }
+        assert_eq!(language(Some("js")).unwrap(), Some("javascript"));
+        assert_eq!(language(Some("TypeScript")).unwrap(), Some("typescript"));
+        assert_eq!(language(Some("R")).unwrap(), Some("r"));
+        assert_eq!(language(Some("java")).unwrap(), Some("java"));
+        let e = language(Some("cobol")).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e2b_default_context("r"), "e2b-r");
+        assert_eq!(e2b_default_context("python"), E2B_PYTHON);
     }
 
     #[test]

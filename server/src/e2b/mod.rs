@@ -42,6 +42,7 @@ pub mod route;
 pub mod rpc;
 pub mod secrets;
 pub mod target;
+pub mod templates;
 pub mod tls;
 pub mod volumes;
 
@@ -62,8 +63,9 @@ pub struct E2bOptions {
     /// The sandbox domain for `Host: <port>-<id>.<domain>` routing and the `domain` field of
     /// responses (None: answer `"domain": null`, header routing only).
     pub domain: Option<String>,
-    /// E2B template names → ember template names (`code-interpreter-v1` → `python-data`,
-    /// `base` → `default` unless configured otherwise). Names not in the map are ember
+    /// E2B template names → ember template names (`code-interpreter-v1` → `code-interpreter`,
+    /// every E2B code-interpreter language, and `base` → `default` unless configured
+    /// otherwise). Names not in the map are ember
     /// template names.
     pub aliases: BTreeMap<String, String>,
     /// Honour `allow_internet_access: true` (which the SDKs send by default) with policy
@@ -75,7 +77,7 @@ pub struct E2bOptions {
 impl Default for E2bOptions {
     fn default() -> Self {
         let mut aliases = BTreeMap::new();
-        aliases.insert("code-interpreter-v1".into(), "python-data".into());
+        aliases.insert("code-interpreter-v1".into(), "code-interpreter".into());
         aliases.insert("base".into(), "default".into());
         E2bOptions {
             domain: None,
@@ -797,7 +799,7 @@ mod tests {
         )
         .await;
         assert_eq!(s, StatusCode::BAD_REQUEST);
-        let (s, _, b) = send(&app, exec(r#"{"code":"1","language":"js"}"#)).await;
+        let (s, _, b) = send(&app, exec(r#"{"code":"1","language":"cobol"}"#)).await;
         assert_eq!(s, StatusCode::BAD_REQUEST);
         assert!(String::from_utf8_lossy(&b).contains("not supported"));
         let r = sandbox_req(KNOWN, INTERP_PORT, "POST", "/execute", false)
@@ -807,7 +809,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn execute_interrupts_when_the_client_leaves() {
+    async fn execute_cancels_the_run_when_the_client_leaves() {
         let fake = Arc::new(Fake::default());
         let app = app_with(fake.clone(), None);
         let r = sandbox_req(KNOWN, INTERP_PORT, "POST", "/execute", true)
@@ -816,18 +818,16 @@ mod tests {
         let resp = app.oneshot(r).await.unwrap();
         assert_eq!(resp.status(), StatusCode::OK);
         drop(resp);
+        let cancelled = || fake.run_cancelled.load(std::sync::atomic::Ordering::SeqCst);
         for _ in 0..400 {
-            if fake.interrupted.load(std::sync::atomic::Ordering::SeqCst) {
+            if cancelled() {
                 break;
             }
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
-        assert!(fake.interrupted.load(std::sync::atomic::Ordering::SeqCst));
-        assert_eq!(
-            fake.interrupted_context.lock().unwrap().as_deref(),
-            Some(super::interp::E2B_PYTHON),
-            "no context named: E2B's default python context"
-        );
+        assert!(cancelled(), "the run was not cancelled");
+        // The run, not its context: an interrupt of the context could reach the next cell.
+        assert!(!fake.interrupted.load(std::sync::atomic::Ordering::SeqCst));
     }
 
     #[tokio::test]
@@ -942,6 +942,7 @@ mod boundaries {
         ("route.rs", include_str!("route.rs")),
         ("rpc.rs", include_str!("rpc.rs")),
         ("secrets.rs", include_str!("secrets.rs")),
+        ("templates.rs", include_str!("templates.rs")),
         ("volumes.rs", include_str!("volumes.rs")),
         ("target.rs", include_str!("target.rs")),
         ("tls.rs", include_str!("tls.rs")),

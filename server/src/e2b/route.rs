@@ -131,6 +131,8 @@ pub fn classify(domain: Option<&str>, headers: &HeaderMap, uri: &Uri) -> Result<
         "/v2/sandboxes",
         "/snapshots",
         "/templates",
+        "/v2/templates",
+        "/v3/templates",
         "/secrets",
         "/volumes",
         "/volumecontent",
