@@ -362,6 +362,17 @@ pub struct Contexts {
     sync_gen: AtomicU64,
 }
 
+/// The variables of `env` that `base` lacks or has with another value.
+fn new_vars(
+    base: &BTreeMap<String, String>,
+    env: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    env.iter()
+        .filter(|(k, v)| base.get(*k) != Some(*v))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
 /// A sink that drops everything (setup cells of spares).
 struct Discard;
 
@@ -842,11 +853,23 @@ impl Contexts {
             Lang::R => vec![self.config.rscript.clone(), "--vanilla".into(), script],
             // C1 only and the serial collector: less start-up and warm-up work for one vCPU;
             // jshell compiles each snippet with javac, in this JVM.
+            // No timer of the JVM's own while it waits for a cell: its performance-counter
+            // sampling (every 50 ms), guaranteed safepoints (every second) and monitor
+            // deflation checks (every 250 ms; the 60 s backstop stays) kept an idle spare's
+            // vCPU ~15 % busy on kvm_pvm, and a template's guest from ever settling. The
+            // packages opened are those whose generators the driver reseeds after a restore.
             _ => vec![
                 self.config.java.clone(),
                 "-XX:+UseSerialGC".into(),
                 "-XX:TieredStopAtLevel=1".into(),
                 "-Xss4m".into(),
+                "-XX:-UsePerfData".into(),
+                "-XX:+UnlockDiagnosticVMOptions".into(),
+                "-XX:GuaranteedSafepointInterval=0".into(),
+                "-XX:AsyncDeflationInterval=0".into(),
+                "--add-opens=java.base/java.lang=ALL-UNNAMED".into(),
+                "--add-opens=java.base/java.util=ALL-UNNAMED".into(),
+                "--add-opens=java.base/java.util.concurrent=ALL-UNNAMED".into(),
                 script,
             ],
         };
@@ -905,13 +928,17 @@ impl Contexts {
         dir.is_dir().then(|| dir.to_string_lossy().into_owned())
     }
 
-    /// A spare of `lang` set up for `cwd`/`env`, if one is ready.
+    /// A spare of `lang` set up for `cwd`/`env`, if one is ready. Variables a spare already
+    /// has with the same value (the template's, which the runtime sends with every create) cost
+    /// it no setup round trip.
     fn take_spare(
         &self,
         lang: Lang,
         cwd: Option<&str>,
         env: &BTreeMap<String, String>,
     ) -> Option<Proc> {
+        let env = new_vars(&lock(&self.base_env), env);
+        let env = &env;
         let mut proc = lock(&self.spares).pool(lang).0.pop()?;
         if cwd.is_none() && env.is_empty() {
             return Some(proc);
@@ -1872,6 +1899,23 @@ mod tests {
             eprintln!("skipping: {why}");
         }
         ok
+    }
+
+    #[test]
+    fn a_spare_is_set_up_only_for_variables_it_lacks() {
+        let m = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let base = m(&[("MPLCONFIGDIR", "/etc/ember/matplotlib"), ("HOME", "/root")]);
+        assert!(new_vars(&base, &m(&[("MPLCONFIGDIR", "/etc/ember/matplotlib")])).is_empty());
+        assert_eq!(
+            new_vars(&base, &m(&[("HOME", "/home/user"), ("A", "1")])),
+            m(&[("HOME", "/home/user"), ("A", "1")])
+        );
+        assert!(new_vars(&base, &BTreeMap::new()).is_empty());
     }
 
     #[test]

@@ -18,6 +18,7 @@ import java.io.IOException;
 import java.io.InputStream;
 import java.io.OutputStream;
 import java.io.PrintStream;
+import java.lang.reflect.Field;
 import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
 import java.util.HashMap;
@@ -65,6 +66,9 @@ public class EmberJShell {
             }
             String op = msg.getOrDefault("op", "");
             if (op.equals("run")) {
+                if ("1".equals(msg.get("reseed"))) {
+                    reseed();
+                }
                 run(msg.getOrDefault("code", ""));
             } else if (op.equals("setup")) {
                 // The JVM cannot change its working directory or environment: only user.dir.
@@ -129,6 +133,7 @@ public class EmberJShell {
             "var emberWarmList = new java.util.ArrayList<String>(java.util.List.of(\"a\"));",
             "emberWarm(41) + emberWarmList.size()",
             "System.out.print(\"\");",
+            "Math.random() + java.util.concurrent.ThreadLocalRandom.current().nextInt()",
             "Integer.parseInt(\"x\")",
         };
         List<Snippet> made = new ArrayList<>();
@@ -143,6 +148,48 @@ public class EmberJShell {
             shell.drop(s);
         }
         count = 0;
+        // A collection now leaves the heap compact and the next one far off: after a restore,
+        // every page a collection walks costs a fault (milliseconds each where guest memory
+        // faults are emulated).
+        System.gc();
+    }
+
+    /**
+     * Fresh seeds for the JDK's shared generators after a snapshot restore (every clone would
+     * otherwise draw what the others draw): Math.random()'s generator, the seeds of later
+     * `new Random()`s, ThreadLocalRandom's and SplittableRandom's seed sources, all from the
+     * kernel's pool, which the host reseeded. Needs `--add-opens` for java.lang, java.util and
+     * java.util.concurrent (given by the agent). SecureRandom reads the kernel's pool itself.
+     */
+    static void reseed() {
+        byte[] bytes = new byte[32];
+        try (InputStream in = new java.io.FileInputStream("/dev/urandom")) {
+            if (in.readNBytes(bytes, 0, bytes.length) != bytes.length) {
+                return;
+            }
+        } catch (IOException e) {
+            System.err.println("ember: reseeding: " + e);
+            return;
+        }
+        java.nio.LongBuffer seeds = java.nio.ByteBuffer.wrap(bytes).asLongBuffer();
+        try {
+            Field math = Class.forName("java.lang.Math$RandomNumberGeneratorHolder")
+                    .getDeclaredField("randomNumberGenerator");
+            math.setAccessible(true);
+            ((java.util.Random) math.get(null)).setSeed(seeds.get(0));
+            String[][] sources = {
+                {"java.util.Random", "seedUniquifier"},
+                {"java.util.concurrent.ThreadLocalRandom", "seeder"},
+                {"java.util.SplittableRandom", "defaultGen"},
+            };
+            for (int i = 0; i < sources.length; i++) {
+                Field f = Class.forName(sources[i][0]).getDeclaredField(sources[i][1]);
+                f.setAccessible(true);
+                ((java.util.concurrent.atomic.AtomicLong) f.get(null)).set(seeds.get(i + 1));
+            }
+        } catch (ReflectiveOperationException | RuntimeException e) {
+            System.err.println("ember: reseeding: " + e);
+        }
     }
 
     static void run(String code) throws IOException {

@@ -251,8 +251,10 @@ local({
 
   # Fresh RNG state after a snapshot restore (clones would otherwise draw the same numbers).
   reseed <- function() {
-    seed <- readBin("/dev/urandom", "integer", 1L)
-    set.seed(seed)
+    # raw = TRUE: a character device, read as bytes (file() would warn it is not a file).
+    con <- file("/dev/urandom", open = "rb", raw = TRUE)
+    on.exit(close(con))
+    set.seed(readBin(con, "integer", 1L))
   }
 
   ready <- function() {
@@ -272,6 +274,10 @@ local({
     invisible(plots())
   }
   suppressWarnings(try(warm(), silent = TRUE))
+  # A full collection now: the next one is then far off. After a restore every heap page a
+  # collection walks costs a fault (milliseconds each where guest memory faults are emulated),
+  # and the context's first request would pay for them.
+  invisible(gc(full = TRUE))
   ready()
 
   repeat {

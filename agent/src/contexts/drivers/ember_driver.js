@@ -19,6 +19,7 @@
 const fs = require('fs');
 const vm = require('vm');
 const util = require('util');
+const v8 = require('v8');
 const path = require('path');
 const url = require('url');
 const Module = require('module');
@@ -277,6 +278,11 @@ async function runCell(msg) {
       } catch (_) { /* a syntax error: compile() reports it */ }
     }
     const script = compile(src, `<cell ${count}>`);
+    // A SIGINT that came while the cell was transpiled or compiled waits for the event loop,
+    // which a synchronous cell would never give a turn (breakOnSigint watches only from here
+    // on): one turn now lets the listener see it first.
+    await new Promise((resolve) => setImmediate(resolve));
+    if (cell.interrupted) throw new Interrupted();
     let value = script.runInThisContext({ breakOnSigint: true, displayErrors: false });
     if (awaited) {
       const wrapper = await Promise.race([value, stop]);
@@ -371,6 +377,12 @@ async function warm() {
     }
   }
   count = 0;
+  // A full collection now, so that the next one is far off: after a restore every heap page a
+  // collection walks costs a fault (milliseconds each where guest memory faults are emulated).
+  try {
+    v8.setFlagsFromString('--expose-gc');
+    vm.runInNewContext('gc')();
+  } catch (_) { /* only a head start */ }
 }
 
 async function main() {
