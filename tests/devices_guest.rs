@@ -541,7 +541,7 @@ impl Helper {
 
     fn send(&self, req: &Value) -> BufReader<UnixStream> {
         let mut s = vsock_connect(&self.uds, HELPER_PORT, IO_TIMEOUT)
-            .unwrap_or_else(|e| panic!("connect to the guest helper: {e}"));
+            .unwrap_or_else(|e| panic!("connect to the guest helper (for {req}): {e}"));
         s.write_all(format!("{req}\n").as_bytes()).unwrap();
         BufReader::new(s)
     }

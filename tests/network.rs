@@ -577,7 +577,8 @@ print("serving")
 
 fn http_get(addr: SocketAddr, path: &str, headers: &str) -> String {
     let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    // Longer than the proxy's own time limits (each answered with a status that says so).
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     write!(
         s,
         "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{headers}\r\n"
@@ -590,7 +591,9 @@ fn http_get(addr: SocketAddr, path: &str, headers: &str) -> String {
 
 fn ws_echo(addr: SocketAddr, path: &str, headers: &str, msg: &str) -> String {
     let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    // Longer than the proxy's 30 s response-head timeout: a slow guest is then a 504 that
+    // says so, not a bare close.
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     write!(
         s,
         "GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
@@ -758,8 +761,19 @@ fn exposed_ports_serve_http_and_websockets_to_the_caller_only() {
         &format!("X-Access-Token: {own}\r\n"),
     );
     assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    let t_ws = Instant::now();
     let echoed = ws_echo(addr, &format!("{base}/ws"), &auth, "hi there");
-    assert_eq!(echoed, "echo:hi there");
+    eprintln!(
+        "[network] WebSocket echo through the proxy: {:.0} ms",
+        t_ws.elapsed().as_secs_f64() * 1e3
+    );
+    assert_eq!(
+        echoed,
+        "echo:hi there",
+        "after {:?}; the server's log:\n{}",
+        t_ws.elapsed(),
+        std::fs::read_to_string(shome.path().join("serve.log")).unwrap_or_default()
+    );
     // Public: no token needed.
     expose(&a, 8000, true);
     let r = http_get(addr, &format!("{base}/pub"), "");

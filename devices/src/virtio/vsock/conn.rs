@@ -37,8 +37,11 @@ pub const CONN_BUF_ALLOC: u32 = 256 * 1024;
 pub const STAGING_MAX: usize = 64 * 1024;
 /// A credit update is sent once the guest may believe it has less than this much room left.
 pub const CREDIT_UPDATE_THRESHOLD: u32 = 64 * 1024;
-/// How long a host-initiated request may wait for the guest's answer.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a host-initiated request may wait for an rx buffer, and then, once delivered,
+/// for the guest's answer. A guest kernel answers at once (RESPONSE, or RST when nothing
+/// listens), so this only ends requests to a guest that has stopped; it is generous because a
+/// guest on a loaded host (or on emulated ring 0) can go seconds without running.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a closing connection waits for the guest's RST.
 pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(4);
 
@@ -408,6 +411,8 @@ impl Connection {
         match self.state {
             ConnState::Connecting if self.pending.request => {
                 self.pending.request = false;
+                // The guest's clock starts when it has the request.
+                self.deadline = Some(now + CONNECT_TIMEOUT);
                 h.op = op::REQUEST;
             }
             ConnState::Established => {
