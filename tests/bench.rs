@@ -15,7 +15,7 @@ use ember_tests::bin;
 use serde_json::Value;
 
 const SCENARIOS: &[&str] = &[
-    "boot", "restore", "sandbox", "rtt", "parallel", "density", "pause",
+    "boot", "restore", "sandbox", "ready", "rtt", "files", "parallel", "density", "pause",
 ];
 
 /// Decodes a PNG; true when it has more than a background: at least two colours and at

@@ -13,7 +13,7 @@ use crate::stats::{summarize, Summary};
 
 /// Scenarios in report order.
 pub const SCENARIOS: &[&str] = &[
-    "boot", "restore", "sandbox", "rtt", "parallel", "density", "pause",
+    "boot", "restore", "sandbox", "ready", "rtt", "files", "parallel", "density", "pause",
 ];
 
 /// One row of a scenario's table.

@@ -10,7 +10,12 @@
 //!   restoring its own snapshot of the same guest, alternating;
 //! - `sandbox`: API create → first `run_code` result per template (and the bare restore →
 //!   ping of the same snapshot, run by run);
-//! - `rtt`: `run_code`, `exec`, file write and read of 4 KiB and 16 MiB through the API;
+//! - `ready`: API create → answered ("ready") and → first `run_code` result from a primed warm
+//!   pool (a server of its own, `--pool 2`), with the first cell's guest work (emulated
+//!   instructions, exits, shadow-page fills);
+//! - `rtt`: `run_code`, `exec`, file write and read of 4 KiB through the API;
+//! - `files`: uploads and downloads of 1 MiB (and 8 MiB) in MiB/s with the guest work per MiB,
+//!   beside the guest's own `dd` (`ember bench files`);
 //! - `parallel`: creates per second at 1/4/16/64 concurrent clients;
 //! - `density`: N idle sandboxes: create latency as N grows, PSS and idle CPU per sandbox;
 //! - `pause`: pause and resume latency, and the bytes of the pause snapshot.
@@ -47,8 +52,12 @@ pub enum Scenario {
     Restore,
     /// API create → first result.
     Sandbox,
+    /// Create → ready and → first result from a primed warm pool.
+    Ready,
     /// Round trips through the API.
     Rtt,
+    /// File uploads and downloads: MiB/s and guest work per MiB.
+    Files,
     /// Creates per second under concurrency.
     Parallel,
     /// Idle sandboxes: memory, CPU, create latency as N grows.
@@ -58,11 +67,13 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    const ALL: [Scenario; 7] = [
+    const ALL: [Scenario; 9] = [
         Scenario::Boot,
         Scenario::Restore,
         Scenario::Sandbox,
+        Scenario::Ready,
         Scenario::Rtt,
+        Scenario::Files,
         Scenario::Parallel,
         Scenario::Density,
         Scenario::Pause,
@@ -73,16 +84,18 @@ impl Scenario {
             Scenario::Boot => "boot",
             Scenario::Restore => "restore",
             Scenario::Sandbox => "sandbox",
+            Scenario::Ready => "ready",
             Scenario::Rtt => "rtt",
+            Scenario::Files => "files",
             Scenario::Parallel => "parallel",
             Scenario::Density => "density",
             Scenario::Pause => "pause",
         }
     }
 
-    /// Whether it needs the sandbox runtime and server.
+    /// Whether it needs the shared sandbox runtime and server (`ready` starts its own).
     fn needs_server(self) -> bool {
-        !matches!(self, Scenario::Boot | Scenario::Restore)
+        !matches!(self, Scenario::Boot | Scenario::Restore | Scenario::Ready)
     }
 }
 
@@ -189,9 +202,10 @@ struct Sizes {
     boot: Plan,
     restore: Plan,
     sandbox: Plan,
+    ready: Plan,
     rtt: Plan,
-    rtt_big: Plan,
-    big_file: usize,
+    files: Plan,
+    file_sizes: Vec<u64>,
     clients: Vec<usize>,
     creates: usize,
     density: Vec<usize>,
@@ -211,10 +225,11 @@ impl Sizes {
             boot: p(3, 0, 1, 0),
             restore: p(20, 2, 3, 1),
             sandbox: p(5, 1, 1, 1),
+            ready: p(10, 1, 2, 1),
             rtt: p(20, 2, 2, 1),
-            rtt_big: p(3, 0, 1, 0),
-            // 16 MiB through kvm_pvm's guest syscalls costs tens of seconds; CI moves 1 MiB.
-            big_file: if quick { 1 << 20 } else { 16 << 20 },
+            files: p(3, 0, 1, 0),
+            // A MiB through kvm_pvm's guest syscalls costs about a second; CI moves 1 MiB.
+            file_sizes: if quick { vec![1] } else { vec![1, 8] },
             clients: if quick {
                 vec![1, 4]
             } else {
@@ -239,7 +254,9 @@ impl Sizes {
             Scenario::Boot => t(self.boot),
             Scenario::Restore => t(self.restore) + 1,
             Scenario::Sandbox => t(self.sandbox) * templates as u64,
-            Scenario::Rtt => 4 + 2,
+            Scenario::Ready => t(self.ready) + 1,
+            Scenario::Rtt => 3 + 2,
+            Scenario::Files => self.files.n as u64 * self.file_sizes.len() as u64,
             Scenario::Parallel => self.clients.len() as u64,
             Scenario::Density => self.density.last().copied().unwrap_or(0) as u64,
             Scenario::Pause => t(self.pause),
@@ -576,6 +593,122 @@ fn sandbox(cx: &Ctx<'_>, target: &Target) -> Res<()> {
     Ok(())
 }
 
+// ----- ready -----
+
+/// The KVM counters of the first cell, as (counter, measure, unit).
+const FIRST_CELL_COUNTERS: [(&str, &str, &str); 3] = [
+    (
+        "insn_emulation",
+        "first cell: emulated instructions",
+        "instructions",
+    ),
+    ("exits", "first cell: exits", "exits"),
+    ("pf_fixed", "first cell: shadow-page fills", "fills"),
+];
+
+/// Create → ready and → first result from a primed warm pool of 2, on a server of its own
+/// (the shared one, if running, is stopped first: the two would share jail uids and
+/// networks; the next scenario starts it again).
+fn ready(cx: &Ctx<'_>, shared: &mut Option<Target>) -> Res<()> {
+    const SC: &str = "ready";
+    const POOL: usize = 2;
+    if let Some(t) = shared.take() {
+        let mut problems = t.kill_all();
+        if let Some(mut local) = t.local {
+            problems.extend(local.shut_down());
+        }
+        if let Some(p) = problems.first() {
+            return Err(other(format!("stopping the shared server: {p}")));
+        }
+    }
+    let name = cx.templates[0].as_str();
+    crate::open_or_build(name, true).map_err(other)?;
+    cx.pb
+        .set_message(format!("ready: a server with a primed pool of {POOL}"));
+    let settings = ember_runtime::pool::PoolSettings {
+        size: POOL,
+        max: POOL,
+        prime: true,
+        ..Default::default()
+    };
+    let (target, rt) = Target::start_local(settings)?;
+    let counts = |id: &str| -> Option<std::collections::BTreeMap<String, u64>> {
+        serde_json::from_value(rt.vmm_stats(id).ok()?["kvm"]["vcpu"].clone()).ok()
+    };
+    cx.step("ready: server up".into());
+    let plan = cx.sizes.ready;
+    let r = (|| -> Res<()> {
+        for i in 0..plan.warmup + plan.n {
+            stop_if_interrupted()?;
+            cx.step(format!("ready {}/{}", i + 1, plan.warmup + plan.n));
+            if !rt.pool_wait_ready(POOL, Duration::from_secs(120)) {
+                return Err(other(format!(
+                    "the pool did not fill in 120 s: {:?}",
+                    rt.pool_stats()
+                )));
+            }
+            let t0 = Instant::now();
+            let info = target.create(name)?;
+            let answered = bench_api::ms_since(t0);
+            let c0 = counts(&info.id);
+            let (first, text) = bench_api::api_run(&target.client, &info.id, "1+1", t0)?;
+            let c1 = counts(&info.id);
+            let primed = crate::pool::start_info(&target, &info.id)["path"] == "pool-primed";
+            target.kill(&info.id)?;
+            if text != "2" {
+                return Err(other(format!("run_code `1+1` gave {text:?}")));
+            }
+            if i < plan.warmup {
+                continue;
+            }
+            let run = i - plan.warmup;
+            // A create the pool could not serve is measured but named apart.
+            let from = if primed { "primed pool" } else { "pool miss" };
+            cx.ms(
+                SC,
+                "ember",
+                &format!("API create answered ({name}, {from})"),
+                run,
+                answered,
+            )?;
+            cx.ms(
+                SC,
+                "ember",
+                &format!("API create → first run_code result ({name}, {from})"),
+                run,
+                first,
+            )?;
+            if let (Some(a), Some(b)) = (&c0, &c1) {
+                for (k, measure, unit) in FIRST_CELL_COUNTERS {
+                    let (Some(x), Some(y)) = (a.get(k), b.get(k)) else {
+                        continue;
+                    };
+                    let v = y.saturating_sub(*x) as f64;
+                    cx.put(
+                        SC,
+                        "ember",
+                        &format!("{measure} ({from})"),
+                        unit,
+                        run,
+                        v,
+                        None,
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    })();
+    let problems = target.kill_all();
+    if let Some(mut local) = target.local {
+        local.shut_down();
+    }
+    r?;
+    if let Some(p) = problems.first() {
+        return Err(other(p));
+    }
+    Ok(())
+}
+
 // ----- rtt -----
 
 /// `POST /exec` of `argv` until its end line; checks exit code 0.
@@ -633,15 +766,8 @@ fn rtt(cx: &Ctx<'_>, target: &Target) -> Res<()> {
                 )?;
             }
         }
-        // Files.
-        for (label, bytes, plan) in [
-            ("4 KiB", 4usize << 10, cx.sizes.rtt),
-            (
-                &format!("{} MiB", cx.sizes.big_file >> 20),
-                cx.sizes.big_file,
-                cx.sizes.rtt_big,
-            ),
-        ] {
+        // A small file (throughput is the `files` scenario's).
+        for (label, bytes, plan) in [("4 KiB", 4usize << 10, cx.sizes.rtt)] {
             let data: Vec<u8> = (0..bytes).map(|i| (i * 31 % 251) as u8).collect();
             let path = format!("/tmp/ember-bench-{bytes}");
             cx.step(format!("rtt: file {label} × {}", plan.warmup + plan.n));
@@ -677,6 +803,43 @@ fn rtt(cx: &Ctx<'_>, target: &Target) -> Res<()> {
     r?;
     killed?;
     cx.step("rtt: done".into());
+    Ok(())
+}
+
+// ----- files -----
+
+fn files(cx: &Ctx<'_>, target: &Target) -> Res<()> {
+    const SC: &str = "files";
+    let name = cx.templates[0].as_str();
+    let plan = cx.sizes.files;
+    let runs = crate::files::measure(
+        target,
+        name,
+        &cx.sizes.file_sizes,
+        plan.n,
+        "/tmp/ember-bench-file",
+        &|msg| cx.step(msg),
+    )
+    .map_err(other)?;
+    for s in &runs {
+        let mib = s.size_mib as f64;
+        for (op, o) in s.ops() {
+            for (run, ms) in o.ms.iter().enumerate() {
+                let label = format!("{op} {} MiB", s.size_mib);
+                cx.put(SC, "ember", &label, "MiB/s", run, mib / (ms / 1e3), None)?;
+                let Some(c) = o.counts.get(run) else { continue };
+                for (k, what) in [
+                    ("insn_emulation", "emulated instructions per MiB"),
+                    ("exits", "exits per MiB"),
+                ] {
+                    if let Some(v) = c.get(k) {
+                        let m = format!("{label}: {what}");
+                        cx.put(SC, "ember", &m, "count", run, *v as f64 / mib, None)?;
+                    }
+                }
+            }
+        }
+    }
     Ok(())
 }
 
@@ -1030,10 +1193,12 @@ fn run_scenario(cx: &Ctx<'_>, s: Scenario, target: &mut Option<Target>) -> Res<(
     }
     let t = target.as_ref();
     match (s, t) {
+        (Scenario::Ready, _) => ready(cx, target),
         (Scenario::Boot, _) => boot(cx),
         (Scenario::Restore, _) => restore(cx),
         (Scenario::Sandbox, Some(t)) => sandbox(cx, t),
         (Scenario::Rtt, Some(t)) => rtt(cx, t),
+        (Scenario::Files, Some(t)) => files(cx, t),
         (Scenario::Parallel, Some(t)) => parallel(cx, t),
         (Scenario::Density, Some(t)) => density(cx, t),
         (Scenario::Pause, Some(t)) => pause(cx, t),
@@ -1208,8 +1373,8 @@ mod tests {
         assert!(quick.restore.n < full.restore.n);
         assert_eq!(full.clients, vec![1, 4, 16, 64]);
         assert!(quick.density.last() < full.density.last());
-        assert!(quick.big_file < full.big_file);
-        assert_eq!(full.big_file, 16 << 20);
+        assert!(quick.file_sizes.len() < full.file_sizes.len());
+        assert_eq!(full.file_sizes, vec![1, 8]);
         let n = Sizes::new(true, Some(7), Some(0));
         assert_eq!((n.boot.n, n.pause.n, n.rtt.warmup), (7, 7, 0));
         assert_eq!(Sizes::new(false, Some(0), None).boot.n, 1);

@@ -353,6 +353,23 @@ pub(crate) struct Target {
 }
 
 impl Target {
+    /// A server of our own ([`Local::start_with`] `pool`) as a target, with its runtime.
+    pub(crate) fn start_local(
+        pool: ember_runtime::pool::PoolSettings,
+    ) -> Result<(Target, Runtime)> {
+        let (local, addr, token) = Local::start_with(pool)?;
+        let rt = local
+            .rt
+            .clone()
+            .ok_or_else(|| BenchApiError::Server("started without a runtime".into()))?;
+        let target = Target {
+            client: Client::new(&format!("http://{addr}"), Some(token)),
+            local: Some(local),
+            tracker: Tracker::default(),
+        };
+        Ok((target, rt))
+    }
+
     fn runtime(&self) -> Option<&Runtime> {
         self.local.as_ref().and_then(|l| l.rt.as_ref())
     }

@@ -21,7 +21,7 @@ use ember_runtime::Runtime;
 use ember_server::client::Client;
 use serde_json::{json, Value};
 
-use crate::api::{catch_sigint, check_interrupt, Local, Target, Tracker};
+use crate::api::{catch_sigint, check_interrupt, Target};
 use crate::fail;
 
 /// `ember bench files`.
@@ -45,9 +45,9 @@ pub struct BenchFilesArgs {
 }
 
 /// The KVM counters reported per MiB.
-const COUNTERS: &[&str] = &["insn_emulation", "exits", "pf_fixed", "pf_guest"];
+pub(crate) const COUNTERS: &[&str] = &["insn_emulation", "exits", "pf_fixed", "pf_guest"];
 
-type Counts = BTreeMap<String, u64>;
+pub(crate) type Counts = BTreeMap<String, u64>;
 
 fn counts(rt: &Runtime, id: &str) -> Result<Counts, String> {
     let s = rt
@@ -108,9 +108,9 @@ fn exec(c: &Client, id: &str, script: &str) -> Result<f64, String> {
 
 /// One measured operation: its times (ms) and guest counters, per run.
 #[derive(Default)]
-struct Op {
-    ms: Vec<f64>,
-    counts: Vec<Counts>,
+pub(crate) struct Op {
+    pub(crate) ms: Vec<f64>,
+    pub(crate) counts: Vec<Counts>,
 }
 
 impl Op {
@@ -143,63 +143,129 @@ impl Op {
 
 fn run(a: &BenchFilesArgs) -> Result<Vec<Value>, String> {
     crate::open_or_build(&a.template, a.json).map_err(|e| e.to_string())?;
-    let (local, addr, token) = Local::start().map_err(|e| e.to_string())?;
-    let target = Target {
-        client: Client::new(&format!("http://{addr}"), Some(token)),
-        local: Some(local),
-        tracker: Tracker::default(),
-    };
+    let (target, _) = Target::start_local(Default::default()).map_err(|e| e.to_string())?;
+    let quiet = a.json;
+    let runs = measure(&target, &a.template, &a.sizes, a.n, &a.path, &|msg| {
+        if !quiet {
+            eprintln!("{msg}");
+        }
+    })?;
+    Ok(runs.iter().flat_map(SizeRuns::lines).collect())
+}
+
+/// One size's runs: the upload, the download and the guest's own `dd` write and read.
+#[derive(Default)]
+pub(crate) struct SizeRuns {
+    pub(crate) size_mib: u64,
+    pub(crate) upload: Op,
+    pub(crate) download: Op,
+    pub(crate) dd_write: Op,
+    pub(crate) dd_read: Op,
+}
+
+impl SizeRuns {
+    /// The four operations with their labels.
+    pub(crate) fn ops(&self) -> [(&'static str, &Op); 4] {
+        [
+            ("upload", &self.upload),
+            ("download", &self.download),
+            ("guest dd write", &self.dd_write),
+            ("guest dd read", &self.dd_read),
+        ]
+    }
+
+    /// The JSON lines of `ember bench files`.
+    fn lines(&self) -> Vec<Value> {
+        let (rw, rr) = (
+            summarize(&self.dd_write.ms).map(|s| s.median_ms),
+            summarize(&self.dd_read.ms).map(|s| s.median_ms),
+        );
+        vec![
+            self.upload.line("upload", self.size_mib, rw),
+            self.download.line("download", self.size_mib, rr),
+            self.dd_write.line("guest dd write", self.size_mib, None),
+            self.dd_read.line("guest dd read", self.size_mib, None),
+        ]
+    }
+}
+
+/// Uploads and downloads `sizes` (MiB), `n` runs each, through `target` (an in-process
+/// server: its runtime gives the KVM counters) into a new sandbox of `template`, beside the
+/// guest's own `dd`; `progress` hears of each run. The sandbox is killed at the end.
+pub(crate) fn measure(
+    target: &Target,
+    template: &str,
+    sizes: &[u64],
+    n: usize,
+    path: &str,
+    progress: &dyn Fn(String),
+) -> Result<Vec<SizeRuns>, String> {
     let rt = target
         .local
         .as_ref()
         .and_then(|l| l.rt.clone())
         .ok_or("no runtime")?;
     let c = &target.client;
-    let id = target.create(&a.template).map_err(|e| e.to_string())?.id;
-    let path = a.path.as_str();
-    let mut lines = Vec::new();
-    for &size in &a.sizes {
+    let id = target.create(template).map_err(|e| e.to_string())?.id;
+    let r = measure_in(&rt, c, &id, sizes, n, path, progress);
+    let killed = target.kill(&id).map_err(|e| e.to_string());
+    let runs = r?;
+    killed?;
+    Ok(runs)
+}
+
+fn measure_in(
+    rt: &Runtime,
+    c: &Client,
+    id: &str,
+    sizes: &[u64],
+    n: usize,
+    path: &str,
+    progress: &dyn Fn(String),
+) -> Result<Vec<SizeRuns>, String> {
+    let mut out = Vec::new();
+    for &size in sizes {
         let bytes = usize::try_from(size << 20).map_err(|_| format!("{size} MiB: too large"))?;
-        let (mut up, mut down, mut dd_w, mut dd_r) =
-            (Op::default(), Op::default(), Op::default(), Op::default());
-        for run in 0..a.n {
+        let mut s = SizeRuns {
+            size_mib: size,
+            ..SizeRuns::default()
+        };
+        for run in 0..n {
             check_interrupt().map_err(|e| e.to_string())?;
-            if !a.json {
-                eprintln!("files: {size} MiB, run {} of {}", run + 1, a.n);
-            }
+            progress(format!("files: {size} MiB, run {} of {n}", run + 1));
             let body = data(bytes, 0x9e37_79b9 ^ ((size << 8) + run as u64));
-            let c0 = counts(&rt, &id)?;
+            let c0 = counts(rt, id)?;
             let t0 = Instant::now();
             let w = c
-                .upload(&id, path, &body[..], Some(bytes as u64))
+                .upload(id, path, &body[..], Some(bytes as u64))
                 .map_err(|e| format!("upload {size} MiB: {e}"))?;
-            up.ms.push(t0.elapsed().as_secs_f64() * 1e3);
-            let c1 = counts(&rt, &id)?;
-            up.counts.push(delta(&c0, &c1));
+            s.upload.ms.push(t0.elapsed().as_secs_f64() * 1e3);
+            let c1 = counts(rt, id)?;
+            s.upload.counts.push(delta(&c0, &c1));
             if w.bytes != bytes as u64 {
                 return Err(format!("upload wrote {} of {bytes} bytes", w.bytes));
             }
             let mut back = Vec::with_capacity(bytes);
             let t0 = Instant::now();
-            let n = c
-                .download(&id, path, &mut back)
+            let got = c
+                .download(id, path, &mut back)
                 .map_err(|e| format!("download {size} MiB: {e}"))?;
-            down.ms.push(t0.elapsed().as_secs_f64() * 1e3);
-            down.counts.push(delta(&c1, &counts(&rt, &id)?));
-            if n != bytes as u64 || back != body {
+            s.download.ms.push(t0.elapsed().as_secs_f64() * 1e3);
+            s.download.counts.push(delta(&c1, &counts(rt, id)?));
+            if got != bytes as u64 || back != body {
                 return Err(format!(
-                    "download of {size} MiB gave {n} bytes that differ from the upload"
+                    "download of {size} MiB gave {got} bytes that differ from the upload"
                 ));
             }
             // The guest's own page cache: the same size written and read back by dd, less
             // what starting `sh` and `dd` costs (the same commands moving nothing).
-            let c0 = counts(&rt, &id)?;
+            let c0 = counts(rt, id)?;
             let base_ms = exec(
                 c,
-                &id,
+                id,
                 &format!("dd if=/dev/zero of={path}.dd bs=1M count=0 2>/dev/null"),
             )?;
-            let c1 = counts(&rt, &id)?;
+            let c1 = counts(rt, id)?;
             let base = delta(&c0, &c1);
             let less = |ms: f64, d: Counts| -> (f64, Counts) {
                 let d = d
@@ -211,37 +277,29 @@ fn run(a: &BenchFilesArgs) -> Result<Vec<Value>, String> {
                     .collect();
                 ((ms - base_ms).max(1.0), d)
             };
-            let c0 = counts(&rt, &id)?;
+            let c0 = counts(rt, id)?;
             let ms = exec(
                 c,
-                &id,
+                id,
                 &format!("dd if=/dev/zero of={path}.dd bs=1M count={size} 2>/dev/null"),
             )?;
-            let c1 = counts(&rt, &id)?;
+            let c1 = counts(rt, id)?;
             let (ms, d) = less(ms, delta(&c0, &c1));
-            dd_w.ms.push(ms);
-            dd_w.counts.push(d);
+            s.dd_write.ms.push(ms);
+            s.dd_write.counts.push(d);
             let ms = exec(
                 c,
-                &id,
+                id,
                 &format!("dd if={path}.dd of=/dev/null bs=1M 2>/dev/null"),
             )?;
-            let (ms, d) = less(ms, delta(&c1, &counts(&rt, &id)?));
-            dd_r.ms.push(ms);
-            dd_r.counts.push(d);
-            exec(c, &id, &format!("rm -f {path}.dd"))?;
+            let (ms, d) = less(ms, delta(&c1, &counts(rt, id)?));
+            s.dd_read.ms.push(ms);
+            s.dd_read.counts.push(d);
+            exec(c, id, &format!("rm -f {path}.dd"))?;
         }
-        let (rw, rr) = (
-            summarize(&dd_w.ms).map(|s| s.median_ms),
-            summarize(&dd_r.ms).map(|s| s.median_ms),
-        );
-        lines.push(up.line("upload", size, rw));
-        lines.push(down.line("download", size, rr));
-        lines.push(dd_w.line("guest dd write", size, None));
-        lines.push(dd_r.line("guest dd read", size, None));
+        out.push(s);
     }
-    let _ = target.kill(&id);
-    Ok(lines)
+    Ok(out)
 }
 
 fn print_table(lines: &[Value]) {

@@ -75,7 +75,7 @@ fn mono_ns() -> u64 {
 }
 
 /// The `vmm` part of a create's audit record.
-fn start_info(target: &Target, id: &str) -> Value {
+pub(crate) fn start_info(target: &Target, id: &str) -> Value {
     let rt = target.local.as_ref().and_then(|l| l.rt.as_ref());
     let recs = rt
         .and_then(|rt| {
@@ -133,17 +133,7 @@ fn latency(a: &BenchPoolArgs, pool: usize, prime: bool) -> Result<Vec<Value>, St
         prime,
         ..PoolSettings::default()
     };
-    let (local, addr, token) = Local::start_with(settings).map_err(|e| e.to_string())?;
-    let target = Target {
-        client: Client::new(&format!("http://{addr}"), Some(token)),
-        local: Some(local),
-        tracker: Tracker::default(),
-    };
-    let rt = target
-        .local
-        .as_ref()
-        .and_then(|l| l.rt.clone())
-        .ok_or("no runtime")?;
+    let (target, rt) = Target::start_local(settings).map_err(|e| e.to_string())?;
     let label = match (pool, prime) {
         (0, _) => "fresh",
         (_, false) => "pool (unprimed)",
