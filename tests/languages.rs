@@ -397,8 +397,11 @@ fn e2b_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("e2b")
 }
 
-/// The SDK scripts' `languages` check, as (label, command), or why they cannot run.
-fn sdk_runs() -> Result<Vec<(&'static str, Command)>, String> {
+/// The SDK scripts' `languages` check, as (label, command), with the directory the JS
+/// script runs from (removed when dropped), or why they cannot run.
+type SdkRuns = (Vec<(&'static str, Command)>, tempfile::TempDir);
+
+fn sdk_runs() -> Result<SdkRuns, String> {
     let cache = ember_runtime::paths::cache_dir().join("e2b");
     let venv = std::env::var_os("EMBER_E2B_VENV")
         .map(PathBuf::from)
@@ -435,16 +438,17 @@ fn sdk_runs() -> Result<Vec<(&'static str, Command)>, String> {
     py.arg(e2b_dir().join("test_sdk.py"))
         .args(["--only", "languages"]);
     // ESM resolves packages beside the script: a copy of it next to a link to them.
-    let dir = std::env::temp_dir().join(format!("ember-languages-js-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    let tmp = tempfile::Builder::new()
+        .prefix("ember-languages-js-")
+        .tempdir()
+        .expect("temp dir");
+    let dir = tmp.path();
     std::fs::copy(e2b_dir().join("test_sdk.mjs"), dir.join("test_sdk.mjs")).expect("copy");
-    let link = dir.join("node_modules");
-    let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(&nm, &link).expect("link node_modules");
+    std::os::unix::fs::symlink(&nm, dir.join("node_modules")).expect("link node_modules");
     let mut js = Command::new("node");
     js.arg(dir.join("test_sdk.mjs"))
         .args(["--only", "languages"]);
-    Ok(vec![("python SDK", py), ("JS SDK", js)])
+    Ok((vec![("python SDK", py), ("JS SDK", js)], tmp))
 }
 
 #[test]
@@ -474,8 +478,11 @@ fn every_language_through_the_native_api_and_the_e2b_sdks() {
     };
 
     // The SDKs run beside the native checks (each in its own sandbox).
+    let (sdks, _js_dir) = match sdks {
+        Ok((runs, dir)) => (runs, Some(dir)),
+        Err(_) => (Vec::new(), None),
+    };
     let sdk_threads: Vec<_> = sdks
-        .unwrap_or_default()
         .into_iter()
         .map(|(label, mut cmd)| {
             cmd.env("E2B_API_KEY", &api.token)

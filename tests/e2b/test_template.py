@@ -8,8 +8,10 @@ code and commands that see what the steps did. Prints one JSON line for the Rust
 check.
 """
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -18,6 +20,7 @@ from e2b import Template
 from e2b_code_interpreter import Sandbox
 
 ctx = tempfile.mkdtemp(prefix="ember-e2b-template-")
+atexit.register(shutil.rmtree, ctx, True)
 os.makedirs(os.path.join(ctx, "app"))
 with open(os.path.join(ctx, "app", "hello.txt"), "w") as f:
     f.write("hello from the context\n")
