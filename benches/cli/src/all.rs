@@ -632,9 +632,7 @@ fn ready(cx: &Ctx<'_>, shared: &mut Option<Target>) -> Res<()> {
         ..Default::default()
     };
     let (target, rt) = Target::start_local(settings)?;
-    let counts = |id: &str| -> Option<std::collections::BTreeMap<String, u64>> {
-        serde_json::from_value(rt.vmm_stats(id).ok()?["kvm"]["vcpu"].clone()).ok()
-    };
+    let counts = |id: &str| crate::pool::kvm_counts(&rt, id);
     cx.step("ready: server up".into());
     let plan = cx.sizes.ready;
     let r = (|| -> Res<()> {

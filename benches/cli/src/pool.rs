@@ -65,7 +65,7 @@ const COUNTERS: &[&str] = &["insn_emulation", "exits", "pf_fixed", "pf_guest"];
 type Counts = std::collections::BTreeMap<String, u64>;
 
 /// The sandbox VMM's KVM counters since its restore (None when they cannot be read).
-fn kvm_counts(rt: &ember_runtime::Runtime, id: &str) -> Option<Counts> {
+pub(crate) fn kvm_counts(rt: &ember_runtime::Runtime, id: &str) -> Option<Counts> {
     let s = rt.vmm_stats(id).ok()?;
     serde_json::from_value(s["kvm"]["vcpu"].clone()).ok()
 }
